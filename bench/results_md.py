@@ -1,0 +1,19 @@
+"""Keep bench/RESULTS.md's sections up to date, each between its own markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def replace_section(path: Path, name: str, body: str) -> None:
+    """Replace (or append) the text between ``<!-- begin NAME -->`` and ``<!-- end NAME -->``."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)

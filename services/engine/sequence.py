@@ -1,0 +1,100 @@
+"""A request inside the engine: its tokens, its progress and its blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.block_pool import BlockHash
+from services.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of the sampled token and of the top-n candidates at one step."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable engine-side state of one request.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache; the
+    scheduler advances it for prefill, chunked prefill and decode alike.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    generator: torch.Generator | None = None
+    arrival: int = field(default_factory=lambda: next(_counter))
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token."""
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """The finish reason after the last appended token, or None to go on."""
+        last = self.output_token_ids[-1]
+        p = self.params
+        if self.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and last in self.eos_token_ids:
+                return "stop"
+            if last in p.stop_token_ids:
+                return "stop"
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

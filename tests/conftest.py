@@ -1,0 +1,45 @@
+"""Shared fixtures: real checkpoints (the prepared SmolLM2, tiny random Llama/Qwen2) and HF references."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Triton kernels run in its interpreter on machines without a GPU; this must be set
+# before anything imports triton.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default model, converted once into $PDSERVE_HOME (or ~/.cache/pdserve)."""
+    from services.engine.prepare_model import prepare_default_model
+
+    return prepare_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> Path:
+    from tests.tiny_models import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory) -> Path:
+    from tests.tiny_models import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))

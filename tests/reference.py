@@ -1,0 +1,66 @@
+"""Hugging Face transformers as the ground truth for greedy output, and the near-tie rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+NEAR_TIE = 1e-4
+
+
+@dataclass(frozen=True)
+class Reference:
+    """transformers' greedy continuation of a prompt, with the top-2 logit gap at each step."""
+
+    prompt: list[int]
+    tokens: list[int]
+    gaps: list[float]
+
+    def suffix(self, j: int) -> Reference:
+        """The same continuation seen from prompt + first j generated tokens."""
+        return Reference(self.prompt + self.tokens[:j], self.tokens[j:], self.gaps[j:])
+
+
+def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+    """Run transformers' ``generate`` (float32, greedy, one prompt at a time, EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
+    refs = []
+    for prompt in prompts:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        gaps = []
+        for step_logits in out.logits:
+            top2 = step_logits[0].float().topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+        refs.append(Reference(list(prompt), tokens, gaps))
+    return refs
+
+
+def compare(tokens: list[int], ref: Reference) -> int | None:
+    """None if ``tokens`` equal the reference; else the index of a first difference that is a
+    genuine near-tie (top-2 reference logits within NEAR_TIE). Fails the test otherwise."""
+    n = min(len(tokens), len(ref.tokens))
+    for i in range(n):
+        if tokens[i] != ref.tokens[i]:
+            assert ref.gaps[i] < NEAR_TIE, (
+                f"token {i} differs: got {tokens[i]}, transformers {ref.tokens[i]} "
+                f"(top-2 logit gap {ref.gaps[i]:.3g} is no near-tie)\n got {tokens}\n ref {ref.tokens}"
+            )
+            return i
+    assert len(tokens) == len(ref.tokens), f"length {len(tokens)} != reference {len(ref.tokens)}"
+    return None

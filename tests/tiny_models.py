@@ -1,0 +1,81 @@
+"""Tiny random-weight Llama and Qwen2 checkpoints built with transformers, for fast exact tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 512
+
+
+def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """Write a tiny ``kind`` ("llama" or "qwen2") checkpoint with spread-out logits.
+
+    Weights are drawn wider than the usual init so that next-token logits are
+    well separated (random init at std 0.02 makes near-ties everywhere).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA 4:1
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,  # untied head
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    if kind == "llama":
+        config = LlamaConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        )
+    elif kind == "qwen2":
+        config = Qwen2Config(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}
+        )
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "qwen2":
+        with torch.no_grad():  # make the q/k/v biases matter
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def build_tiny_tokenizer():
+    """A byte-level BPE tokenizer with TINY_VOCAB entries (ids 0-2: <pad>, <s>, </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [
+        "the quick brown fox jumps over the lazy dog. " * 4,
+        "pdserve serves tokens, fast and exact. " * 4,
+        "Überraschung! Ça va? 東京は日本の首都です。🙂 " * 2,
+    ]
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )

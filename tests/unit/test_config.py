@@ -1,0 +1,87 @@
+"""parse_size and EngineArgs validation (no model needed)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from services.engine.config import EngineArgs, parse_size
+
+
+@pytest.mark.parametrize(
+    "value, size",
+    [
+        ("2GiB", 2**31),
+        ("512MB", 512 * 10**6),
+        ("512MiB", 512 * 2**20),
+        ("100", 100),
+        ("100B", 100),
+        ("1kb", 1000),
+        ("4KiB", 4096),
+        ("1GB", 10**9),
+        ("1.5GiB", 3 * 2**29),
+        (" 2 gib ", 2**31),
+        (4096, 4096),
+    ],
+)
+def test_parse_size(value, size):
+    assert parse_size(value) == size
+
+
+@pytest.mark.parametrize("value", ["", "abc", "GiB", "2TB", "2 GiBs", "1e9", "-1", "2.GiB", True])
+def test_parse_size_rejects_bad_strings_naming_the_value(value):
+    with pytest.raises(ValueError, match=re.escape(f"cannot read size {value!r}")):
+        parse_size(value)
+
+
+def test_engine_args_defaults_are_valid():
+    args = EngineArgs()
+    assert args.block_size == 16
+    assert "max_num_seqs" in EngineArgs.field_names()
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(block_size=12), "--block-size"),
+        (dict(block_size=0), "--block-size"),
+        (dict(dtype="fp8"), "--dtype"),
+        (dict(device="tpu"), "--device"),
+        (dict(device="cuda:x"), "--device"),
+        (dict(attention_backend="x"), "--attention-backend"),
+        (dict(max_num_seqs=0), "--max-num-seqs"),
+        (dict(max_num_batched_tokens=0), "--max-num-batched-tokens"),
+        (dict(num_kv_blocks=0), "--num-kv-blocks"),
+        (dict(max_model_len=1), "--max-model-len"),
+        (dict(num_threads=0), "--num-threads"),
+        (dict(kv_cache_memory="0"), "--kv-cache-memory"),
+        (dict(kv_cache_memory=-1), "--kv-cache-memory"),
+    ],
+)
+def test_engine_args_reject_bad_values_naming_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=f"^{re.escape(flag)} must"):
+        EngineArgs(**kwargs)
+
+
+def test_engine_args_unreadable_kv_cache_memory_names_the_flag():
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        EngineArgs(kv_cache_memory="lots")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(block_size=1),
+        dict(block_size=32),
+        dict(dtype="bfloat16"),
+        dict(device="cpu"),
+        dict(device="cuda:1"),
+        dict(attention_backend="triton"),
+        dict(kv_cache_memory="512MiB"),
+        dict(kv_cache_memory=1),
+        dict(max_model_len=2),
+    ],
+)
+def test_engine_args_accept_good_values(kwargs):
+    EngineArgs(**kwargs)

@@ -1,0 +1,236 @@
+"""SamplingParams validation and the Sampler on the CPU: filters, seeds and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.engine.sampler import Sampler
+from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from services.engine.sequence import Sequence
+
+NAN = float("nan")
+
+# -- SamplingParams ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=NAN), "temperature"),
+        (dict(temperature=math.inf), "temperature"),
+        (dict(temperature=101.0), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(temperature="1.0"), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=NAN), "top_p"),
+        (dict(top_p=True), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.0), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=NAN), "min_p"),
+        (dict(min_p=False), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=2.0), "max_tokens"),
+        (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(stop_token_ids=(5, -1)), "stop_token_ids"),
+        (dict(stop_token_ids=("a",)), "stop_token_ids"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+    ],
+)
+def test_sampling_params_reject_nonsense_naming_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "top_k", "logprobs", "seed"])
+def test_sampling_params_reject_bool_for_integers(name):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        SamplingParams(**{name: True})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0),
+        dict(temperature=100.0),
+        dict(top_p=1.0, top_k=-1, min_p=0.0),
+        dict(top_k=0, min_p=1.0),
+        dict(logprobs=0),
+        dict(logprobs=MAX_LOGPROBS),
+        dict(seed=0),
+        dict(seed=2**63 - 1),
+        dict(max_tokens=1, min_tokens=1),
+    ],
+)
+def test_sampling_params_accept_edges(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_stop_token_ids_become_a_tuple():
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+
+
+@pytest.mark.parametrize(
+    "kwargs, greedy",
+    [
+        (dict(), False),
+        (dict(temperature=0.0), True),
+        (dict(temperature=0), True),
+        (dict(top_k=1), True),
+        (dict(top_k=2), False),
+        (dict(temperature=1e-3), False),
+    ],
+)
+def test_greedy(kwargs, greedy):
+    assert SamplingParams(**kwargs).greedy is greedy
+
+
+# -- Sampler -------------------------------------------------------------------------------
+
+
+def seq(request_id: str = "s", **params) -> Sequence:
+    return Sequence(request_id, [1], SamplingParams(**params))
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    """[vocab] logits whose softmax is ``probs``."""
+    return torch.tensor(probs).log()
+
+
+def draws(row: torch.Tensor, s: Sequence, n: int = 1000) -> torch.Tensor:
+    """``n`` tokens drawn for the same row (one batch of ``n`` rows)."""
+    tokens, _ = Sampler(seed=0)(row.expand(n, -1), [s] * n)
+    return torch.tensor(tokens)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    tokens, logprobs = Sampler()(logits, [seq(str(i), temperature=0.0) for i in range(6)])
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert logprobs == [None] * 6
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    tokens, _ = Sampler()(logits, [seq(str(i), temperature=1.5, top_k=1) for i in range(4)])
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_draws_only_the_k_best():
+    row = logits_of([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])
+    assert set(draws(row, seq(top_k=2)).tolist()) == {1, 3}
+
+
+def test_temperature_one_without_filters_draws_everything():
+    row = logits_of([0.4, 0.3, 0.2, 0.1])
+    counts = torch.bincount(draws(row, seq()), minlength=4) / 1000
+    assert torch.allclose(counts, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.06)
+
+
+@pytest.mark.parametrize(
+    "probs, best, second",
+    [([0.5, 0.3, 0.15, 0.05], 0, 1), ([0.15, 0.5, 0.05, 0.3], 1, 3)],
+)
+def test_top_p_keeps_the_smallest_set_covering_p(probs, best, second):
+    tokens = draws(logits_of(probs), seq(top_p=0.7))
+    assert set(tokens.tolist()) == {best, second}
+    # Renormalised over the kept tokens: 0.5 / 0.8.
+    assert abs((tokens == best).float().mean().item() - 0.625) < 0.06
+
+
+def test_top_p_keeps_the_best_token_even_when_it_alone_covers_p():
+    row = logits_of([0.05, 0.9, 0.05])
+    assert set(draws(row, seq(top_p=0.5)).tolist()) == {1}
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_best():
+    row = logits_of([0.5, 0.3, 0.15, 0.05])
+    assert set(draws(row, seq(min_p=0.35)).tolist()) == {0, 1}  # cut at 0.175
+    assert set(draws(row, seq(min_p=0.25)).tolist()) == {0, 1, 2}  # cut at 0.125
+
+
+def test_temperature_sharpens_the_distribution():
+    row = logits_of([0.6, 0.4])
+    hot = (draws(row, seq(temperature=1.0)) == 0).float().mean().item()
+    cold = (draws(row, seq(temperature=0.1)) == 0).float().mean().item()
+    assert abs(hot - 0.6) < 0.06
+    assert cold > 0.96  # 0.6**10 / (0.6**10 + 0.4**10) = 0.983
+
+
+@pytest.mark.parametrize("others_seeded", [True, False])
+def test_seeded_sequence_draws_the_same_tokens_alone_or_in_a_batch(others_seeded):
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(1, 64, generator=gen)
+    alone = seq("alone", seed=1234)
+    batched = seq("batched", seed=1234)
+    others = [seq(f"o{i}", seed=i if others_seeded else None) for i in range(15)]
+    sampler = Sampler(seed=0)
+    alone_tokens, batched_tokens = [], []
+    for _ in range(20):
+        alone_tokens += sampler(row, [alone])[0]
+        logits = torch.randn(16, 64, generator=gen)
+        logits[5] = row[0]
+        batch = [*others[:5], batched, *others[5:]]
+        batched_tokens.append(sampler(logits, batch)[0][5])
+    assert batched_tokens == alone_tokens
+    assert len(set(alone_tokens)) > 5  # the test is not trivially deterministic
+
+
+def test_unseeded_sequences_follow_the_sampler_seed():
+    row = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    first, second = Sampler(seed=9), Sampler(seed=9)
+    a = [first(row, [seq()])[0][0] for _ in range(10)]
+    b = [second(row, [seq()])[0][0] for _ in range(10)]
+    assert a == b
+    assert len(set(a)) > 3
+
+
+def test_logprobs_of_the_sampled_token_and_the_top_n():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40, generator=gen)
+    seqs = [seq("a", logprobs=3), seq("b"), seq("c", temperature=0.0, logprobs=0)]
+    tokens, logprobs = Sampler(seed=0)(logits, seqs)
+    expected = torch.log_softmax(logits, dim=-1)
+
+    a = logprobs[0]
+    assert a is not None
+    assert a.token_id == tokens[0]
+    assert a.logprob == pytest.approx(expected[0, tokens[0]].item(), abs=1e-6)
+    top_ids = expected[0].argsort(descending=True)[:3].tolist()
+    assert list(a.top) == top_ids
+    assert list(a.top.values()) == pytest.approx(expected[0, top_ids].tolist(), abs=1e-6)
+    assert list(a.top.values()) == sorted(a.top.values(), reverse=True)
+
+    assert logprobs[1] is None
+    c = logprobs[2]
+    assert c is not None
+    assert c.token_id == tokens[2] == logits[2].argmax().item()
+    assert c.logprob == pytest.approx(expected[2].max().item(), abs=1e-6)
+    assert c.top == {}
+
+
+def test_logprobs_are_of_the_unscaled_logits():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(6))
+    tokens, logprobs = Sampler()(logits, [seq(temperature=0.3, top_k=3, logprobs=2)])
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert logprobs[0].logprob == pytest.approx(expected[tokens[0]].item(), abs=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampler_draws_from_cuda_logits():
+    logits = torch.randn(2, 32, device="cuda")
+    tokens, _ = Sampler()(logits, [seq("a"), seq("b", seed=1)])
+    assert all(0 <= t < 32 for t in tokens)
