@@ -33,14 +33,39 @@ def write_kv(
 
 
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_len, head_dim]."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
+    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_len, head_dim], contiguous.
+
+    When each head's [block_size, head_dim] slab of a block is contiguous and heads are
+    evenly spaced (the engine's head-major layout), every (block, head) slab is one row
+    of a strided view over the buffer, and a single index_select copies them straight
+    into attention order. Other layouts take a slower but general path.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     num_seqs = block_tables.shape[0]
     nb = -(-max_len // block_size)
-    idx = block_tables[:, :nb].reshape(-1).long()
-    gathered = cache.transpose(1, 2).index_select(0, idx)  # [S*nb, Hkv, bs, D]
-    gathered = gathered.view(num_seqs, nb, num_kv_heads, block_size, head_dim).transpose(1, 2)
-    return gathered.reshape(num_seqs, num_kv_heads, nb * block_size, head_dim)[:, :, :max_len]
+    tables = block_tables[:, :nb].long()
+    s_block, s_tok, s_head, s_dim = cache.stride()
+    if (
+        s_dim == 1
+        and s_tok == head_dim
+        and s_head >= block_size * head_dim
+        and s_block % s_head == 0
+    ):
+        per_block = s_block // s_head
+        slabs = torch.as_strided(
+            cache,
+            ((num_blocks - 1) * per_block + num_kv_heads, block_size, head_dim),
+            (s_head, s_tok, 1),
+        )
+        heads = torch.arange(num_kv_heads, device=cache.device)
+        rows = (tables[:, None, :] * per_block + heads[None, :, None]).reshape(-1)
+        out = slabs.index_select(0, rows).view(num_seqs, num_kv_heads, nb * block_size, head_dim)
+    else:
+        out = cache.index_select(0, tables.reshape(-1)).view(
+            num_seqs, nb, block_size, num_kv_heads, head_dim
+        )
+        out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads, nb * block_size, head_dim)
+    return out[:, :, :max_len]
 
 
 def paged_decode_attention(
@@ -62,32 +87,16 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    nb = -(-max_seq_len // block_size)
-    idx = block_tables[:, :nb].reshape(-1).long()
-    # Gather whole blocks head-major: [S, nb, Hkv, bs, D]. With the engine's head-major
-    # block layout this is one memcpy per block; attention then runs block by block
-    # (GQA without repeating K/V), and no permuted copy of K/V is ever made.
-    k = (
-        key_cache.transpose(1, 2)
-        .index_select(0, idx)
-        .view(num_seqs, nb, num_kv_heads, block_size, head_dim)
-    )
-    v = (
-        value_cache.transpose(1, 2)
-        .index_select(0, idx)
-        .view(num_seqs, nb, num_kv_heads, block_size, head_dim)
-    )
-    q = query.to(k.dtype).view(num_seqs, 1, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [S, nb, Hkv, G, bs]
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group, nb * block_size)
-    scores = scores * scale
-    positions = torch.arange(nb * block_size, device=query.device)
+    num_kv_heads = key_cache.shape[2]
+    k = _gather_context(key_cache, block_tables, max_seq_len)  # [S, Hkv, T, D]
+    v = _gather_context(value_cache, block_tables, max_seq_len)
+    # GQA without repeating K/V: the query heads of a group form the rows of one matmul.
+    q = query.to(k.dtype).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [S, Hkv, G, T]
+    positions = torch.arange(max_seq_len, device=query.device)
     scores.masked_fill_((positions[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    probs = probs.view(num_seqs, num_kv_heads, group, nb, block_size).permute(0, 3, 1, 2, 4)
-    out = torch.matmul(probs, v).sum(dim=1)  # [S, Hkv, G, D]
+    out = torch.matmul(probs, v)  # [S, Hkv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 

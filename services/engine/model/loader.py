@@ -52,6 +52,8 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, rope_tables(cfg, 1, dtype), attn)
     model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty makes a parameter per use: tie again
+        model.lm_head.weight = model.embed_tokens.weight
     # Built after to_empty, which would wipe its buffers.
     model.rotary = rope_tables(cfg, max_positions, dtype).to(device)
     params = dict(model.named_parameters())
