@@ -133,6 +133,7 @@ def main() -> int:
             f"repeat {r + 1}: pdserve {eng_tps[-1]:.1f} tok/s, transformers {hf_tps[-1]:.1f} tok/s",
             flush=True,
         )
+    llm.engine.pool.reset_prefix_cache()
     profile = "" if args.no_profile else profile_engine(llm, prompts, args.output_len)
 
     result = {

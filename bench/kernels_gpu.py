@@ -100,10 +100,12 @@ class PagedKV:
         bs = cfg.block_size
         self.blocks_per_seq = -(-context // bs)
         num_blocks = num_seqs * self.blocks_per_seq
+        # The engine's layout: head-major blocks, seen by kernels as [blocks, bs, Hkv, D].
         kv = torch.randn(
-            num_blocks, NUM_LAYERS, 2, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE
+            num_blocks, NUM_LAYERS, 2, cfg.num_kv_heads, bs, cfg.head_dim, device=DEVICE
         ).to(dtype)
-        self.key_cache, self.value_cache = kv[:, 1, 0], kv[:, 1, 1]
+        self.key_cache = kv[:, 1, 0].transpose(1, 2)
+        self.value_cache = kv[:, 1, 1].transpose(1, 2)
         perm = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32)
         self.block_tables = perm.view(num_seqs, self.blocks_per_seq)
         self.context = context

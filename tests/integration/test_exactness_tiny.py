@@ -70,3 +70,28 @@ def test_prefix_cache_hits_keep_output(case):
     _run(llm, refs)
     _run(llm, [r.suffix(9) for r in refs])
     assert llm.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine_args",
+    [dict(max_num_batched_tokens=4096), dict(max_num_batched_tokens=64, block_size=8)],
+    ids=["batched", "chunked64-block8"],
+)
+def test_triton_backend_matches_transformers(case, engine_args):
+    """The Triton kernels inside the engine (the interpreter on a CPU, compiled on CUDA)."""
+    pytest.importorskip("triton")
+    from kernels.triton_attention import TRITON_AVAILABLE
+
+    if not TRITON_AVAILABLE:
+        pytest.skip("triton could not be loaded")
+    path, refs = case
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=512,
+        attention_backend="triton",
+        **engine_args,
+    )
+    assert llm.engine.runner.attn.name == "triton"
+    _run(llm, refs[::2])  # every other prompt: the interpreter is slow

@@ -46,10 +46,14 @@ GARBAGE_BLOCK = 2**30  # block-table padding no kernel may read
 def _cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, gen
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Strided per-layer K/V views, as the engine passes them: kv[:, layer, 0], kv[:, layer, 1]."""
-    shape = (num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim)
+    """Strided per-layer K/V views, as the engine passes them.
+
+    The engine stores blocks head-major, [blocks, layers, 2, kv_heads, block_size, head_dim],
+    and hands kernels kv[:, layer, 0].transpose(1, 2): [blocks, block_size, kv_heads, head_dim].
+    """
+    shape = (num_blocks, NUM_LAYERS, 2, num_kv_heads, block_size, head_dim)
     kv = torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
-    return kv[:, 1, 0], kv[:, 1, 1]
+    return kv[:, 1, 0].transpose(1, 2), kv[:, 1, 1].transpose(1, 2)
 
 
 def _block_tables(
