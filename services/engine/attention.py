@@ -60,39 +60,34 @@ class PagedAttention:
         kern = self.kernels
         kern.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
-        if nd == q.shape[0]:
-            return kern.paged_decode_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                scale,
-                max_seq_len=meta.decode_max_seq_len,
+        parts = []
+        if nd:
+            parts.append(
+                kern.paged_decode_attention(
+                    q[:nd],
+                    key_cache,
+                    value_cache,
+                    meta.decode_block_tables,
+                    meta.decode_seq_lens,
+                    scale,
+                    max_seq_len=meta.decode_max_seq_len,
+                )
             )
-        prefill = kern.paged_prefill_attention(
-            q[nd:],
-            key_cache,
-            value_cache,
-            meta.prefill_block_tables,
-            meta.prefill_seq_lens,
-            meta.prefill_query_start_loc,
-            scale,
-            max_query_len=meta.prefill_max_query_len,
-            max_seq_len=meta.prefill_max_seq_len,
-        )
-        if nd == 0:
-            return prefill
-        decode = kern.paged_decode_attention(
-            q[:nd],
-            key_cache,
-            value_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            scale,
-            max_seq_len=meta.decode_max_seq_len,
-        )
-        return torch.cat([decode, prefill])
+        if nd < q.shape[0]:
+            parts.append(
+                kern.paged_prefill_attention(
+                    q[nd:],
+                    key_cache,
+                    value_cache,
+                    meta.prefill_block_tables,
+                    meta.prefill_seq_lens,
+                    meta.prefill_query_start_loc,
+                    scale,
+                    max_query_len=meta.prefill_max_query_len,
+                    max_seq_len=meta.prefill_max_seq_len,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def get_attention_backend(name: str, device: torch.device) -> PagedAttention:
