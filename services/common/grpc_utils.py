@@ -1,0 +1,71 @@
+"""gRPC servers and channels with deliberate limits: message sizes, keepalives, health, reflection."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# KV payloads travel in messages of a few MiB; leave headroom well above that.
+MAX_MESSAGE_BYTES = 64 * 2**20
+# Bytes of block data per streamed message.
+STREAM_CHUNK_BYTES = 4 * 2**20
+
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    *_KEEPALIVE,
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    *_KEEPALIVE,
+]
+
+
+async def start_server(
+    address: str,
+    register: Iterable[Callable[[grpc.aio.Server], None]],
+    service_names: Iterable[str],
+) -> tuple[grpc.aio.Server, int]:
+    """Start an aio server on ``address`` ("127.0.0.1:0" picks a port) with the standard
+    health service (every service SERVING) and server reflection. Returns (server, port)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    for add in register:
+        add(server)
+    names = list(service_names)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.health_servicer = health_servicer  # so a draining server can report NOT_SERVING
+    return server, port
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """An insecure aio channel with the project's message limits and keepalives."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
