@@ -10,11 +10,12 @@ import torch
 
 from services.engine.block_pool import BlockPool
 from services.engine.config import EngineArgs, ModelConfig, parse_size, resolve_dtype
-from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_cache_manager import KVCacheManager, cdiv
+from services.engine.kv_transfer import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
 from services.engine.model_runner import ModelRunner
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class LLMEngine:
             self.kv_cache,
         )
         self._seqs: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}  # finished, blocks kept for export
+        self.num_imported_blocks = 0
+        self.num_imported_bytes = 0
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens (%.1f MiB) "
             "max_model_len=%d attention=%s",
@@ -149,6 +153,8 @@ class LLMEngine:
         finished = self.scheduler.update(batch, sampled)
         for seq in finished:
             self._seqs.pop(seq.request_id, None)
+            if seq.hold_blocks:
+                self._held[seq.request_id] = seq
         advanced = [s for s, t in zip(batch.seqs, sampled, strict=True) if t is not None]
         return advanced, finished
 
@@ -163,3 +169,117 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
         )
+
+    # --- KV transfer -------------------------------------------------------------
+
+    def block_layout(self) -> BlockLayout:
+        cfg = self.model_config
+        return BlockLayout(
+            version=LAYOUT_VERSION,
+            model_fingerprint=cfg.fingerprint,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.args.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+
+    def export_prompt_blocks(self, request_id: str) -> list[ExportedBlock]:
+        """The prompt blocks of a finished ``hold_blocks`` request, then its blocks are freed."""
+        seq = self._held.pop(request_id)
+        try:
+            bs = self.args.block_size
+            n = seq.num_prompt_tokens
+            hashes = self.kv_cache.update_block_hashes(seq)
+            blocks = []
+            for i in range(cdiv(n, bs)):
+                full = (i + 1) * bs <= n
+                key = bytes(hashes[i]) if full else tail_key(request_id)
+                data = self.runner.read_block(seq.block_table[i])
+                blocks.append(ExportedBlock(key, data, bs if full else n % bs))
+            return blocks
+        finally:
+            self.kv_cache.free(seq)
+
+    def release_held(self, request_id: str) -> None:
+        """Free a held request's blocks without exporting them."""
+        seq = self._held.pop(request_id, None)
+        if seq is not None:
+            self.kv_cache.free(seq)
+
+    def local_prefix_hashes(self, hashes: list[bytes]) -> int:
+        """How many leading full-block hashes this engine's prefix cache holds."""
+        n = 0
+        for h in hashes:
+            if self.pool.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    def add_imported_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        first_token: int,
+        first_logprob: TokenLogprobs | None,
+        fetched: dict[bytes, bytes],
+    ) -> Sequence:
+        """Queue a request prefilled elsewhere: its first token is known, and its prompt's KV
+        comes from this engine's own prefix cache, then from ``fetched`` blocks; whatever is
+        in neither is recomputed here."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        bs, n = self.args.block_size, len(prompt_token_ids)
+        hashes = self.kv_cache.update_block_hashes(seq)[: n // bs]
+        hits = []
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        imports: list[tuple[bytes, bytes | None]] = []  # (data, hash to index)
+        for h in hashes[len(hits) :]:
+            if bytes(h) not in fetched:
+                break
+            imports.append((fetched[bytes(h)], h))
+        covered = (len(hits) + len(imports)) * bs
+        if covered == (n // bs) * bs and n % bs and tail_key(request_id) in fetched:
+            imports.append((fetched[tail_key(request_id)], None))
+            covered = n
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        if revived + len(imports) > self.pool.num_free_blocks:  # no room now: recompute later
+            hits, imports, covered = [], [], 0
+        if hits or imports:
+            self.pool.touch(hits)
+            new_blocks = self.pool.allocate(len(imports))
+            for block, (data, block_hash) in zip(new_blocks, imports, strict=True):
+                self.runner.write_block(block, data)
+                if block_hash is not None:
+                    self.pool.cache(block, block_hash)
+            seq.block_table = hits + new_blocks
+            self.kv_cache.mark_cached(seq, len(hits) + sum(h is not None for _, h in imports))
+            self.num_imported_blocks += len(imports)
+            self.num_imported_bytes += sum(len(d) for d, _ in imports)
+        seq.num_computed_tokens = covered
+        seq.num_cached_tokens = len(hits) * bs
+        seq.num_imported_tokens = covered - len(hits) * bs
+        self.kv_cache.record_lookup(n, len(hits) * bs)
+        seq.append_token(first_token)
+        if seq.logprobs is not None and first_logprob is not None:
+            seq.logprobs.append(first_logprob)
+        self._seqs[request_id] = seq
+        reason = seq.check_stop(self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish_now(seq, reason)
+            self._seqs.pop(request_id, None)
+        else:
+            self.scheduler.add(seq)
+        return seq

@@ -94,6 +94,10 @@ class KVCacheManager:
             self.pool.cache(seq.block_table[i], hashes[i])
         self._num_cached_blocks[seq.request_id] = num_full
 
+    def mark_cached(self, seq: Sequence, num_blocks: int) -> None:
+        """Record that ``seq``'s first ``num_blocks`` blocks are already indexed."""
+        self._num_cached_blocks[seq.request_id] = num_blocks
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so that its prefix stays cached longest."""
         self.pool.free(reversed(seq.block_table))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 
 import torch
 
@@ -57,6 +58,22 @@ class ModelRunner:
             for i in range(model_config.num_layers)
         ]
         self.sampler = Sampler(args.seed)
+
+    def read_block(self, block_id: int) -> bytes:
+        """A block's KV for all layers as one buffer: [layers, 2, kv_heads, block_size, head_dim]."""
+        return self.kv[block_id].cpu().view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Fill a block from a buffer made by ``read_block`` on a worker with the same layout."""
+        dst = self.kv[block_id].view(torch.uint8)
+        if len(data) != dst.numel():
+            raise ValueError(
+                f"block data has {len(data)} bytes, this worker's blocks have {dst.numel()}"
+            )
+        with warnings.catch_warnings():  # read-only use of an immutable buffer
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        dst.copy_(src.view(dst.shape))
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

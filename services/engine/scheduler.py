@@ -82,15 +82,18 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv_cache.get_computed_blocks(seq)
-            num_hit_tokens = len(hits) * self.kv_cache.block_size
+            if seq.block_table:  # KV imported from another worker: continue from there
+                hits, num_hit_tokens = [], seq.num_computed_tokens
+            else:
+                hits = self.kv_cache.get_computed_blocks(seq)
+                num_hit_tokens = len(hits) * self.kv_cache.block_size
             n = min(seq.num_tokens - num_hit_tokens, budget)
             if not self.kv_cache.allocate_slots(seq, n, hits):
                 break
             self.waiting.popleft()
             self.kv_cache.record_lookup(seq.num_tokens, num_hit_tokens)
             seq.num_computed_tokens = num_hit_tokens
-            if seq.num_preemptions == 0:
+            if seq.num_preemptions == 0 and not seq.num_imported_tokens:
                 seq.num_cached_tokens = num_hit_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -130,7 +133,12 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.kv_cache.free(seq)
+        if not (seq.hold_blocks and reason != "abort"):
+            self.kv_cache.free(seq)
+
+    def finish_now(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence that is in no queue (e.g. done on arrival)."""
+        self._finish(seq, reason)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stop a request wherever it is and free its blocks at once."""

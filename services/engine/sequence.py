@@ -56,6 +56,9 @@ class Sequence:
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_counter))
     num_preemptions: int = 0
+    # Prefill workers keep a finished request's blocks until they are exported.
+    hold_blocks: bool = False
+    num_imported_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

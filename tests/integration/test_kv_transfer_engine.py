@@ -1,0 +1,90 @@
+"""Prefill on one engine, export the prompt's blocks, import them into another, decode there:
+the same tokens as one engine doing both, whatever blocks are missing on the way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen2_path):
+    make = lambda: LLM(model=str(tiny_qwen2_path), dtype="float32", num_kv_blocks=256)  # noqa: E731
+    return make(), make(), make()
+
+
+def _prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 15, 16, 17, 40, 130)]
+
+
+def _prefill(llm: LLM, prompt, request_id):
+    eng = llm.engine
+    seq = eng.add_request(
+        prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), request_id
+    )
+    seq.hold_blocks = True
+    while eng.has_unfinished():
+        eng.step()
+    return seq.output_token_ids[0], eng.export_prompt_blocks(request_id)
+
+
+def _decode(llm: LLM, prompt, request_id, first, fetched, max_tokens):
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    seq = eng.add_imported_request(prompt, params, request_id, first, None, fetched)
+    while eng.has_unfinished():
+        eng.step()
+    return seq
+
+
+@pytest.mark.parametrize("drop", ["none", "tail", "middle", "all"])
+def test_transfer_gives_the_same_tokens(engines, drop):
+    colocated, prefill, decode = engines
+    for k, prompt in enumerate(_prompts()):
+        (want,) = colocated.generate(
+            [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        )
+        rid = f"{drop}-{k}"
+        first, blocks = _prefill(prefill, prompt, rid)
+        assert first == want.token_ids[0]
+        assert sum(b.num_tokens for b in blocks) == len(prompt)
+        fetched = {b.key: b.data for b in blocks}
+        if drop == "tail" and blocks:
+            fetched.pop(blocks[-1].key)
+        elif drop == "middle" and len(blocks) > 2:
+            fetched.pop(blocks[len(blocks) // 2].key)
+        elif drop == "all":
+            fetched = {}
+        decode.engine.pool.reset_prefix_cache()  # no help from earlier requests
+        seq = _decode(decode, prompt, rid, first, fetched, 12)
+        assert seq.output_token_ids == want.token_ids, (drop, k)
+        if drop == "none":
+            assert seq.num_imported_tokens == len(prompt)
+    for llm in engines:
+        llm.check_integrity()
+        assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+
+
+def test_second_import_uses_the_decode_engines_own_cache(engines):
+    _, prefill, decode = engines
+    prompt = list(range(50, 120))  # 4 full blocks + a tail
+    first, blocks = _prefill(prefill, prompt, "own-1")
+    fetched = {b.key: b.data for b in blocks}
+    seq1 = _decode(decode, prompt, "own-1", first, fetched, 3)
+    assert seq1.num_imported_tokens == len(prompt)
+    seq2 = _decode(decode, prompt, "own-2", first, fetched, 3)
+    assert seq2.num_cached_tokens == 64  # the 4 full blocks, from its own prefix cache
+    assert seq2.output_token_ids == seq1.output_token_ids
+
+
+def test_layouts_compare_field_by_field(engines, tiny_llama_path):
+    colocated, _, _ = engines
+    other = LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=128, block_size=8)
+    msg = colocated.engine.block_layout().mismatch(other.engine.block_layout())
+    assert "block_size: ours 16, theirs 8" in msg
+    assert "model_fingerprint" in msg
+    assert colocated.engine.block_layout().mismatch(colocated.engine.block_layout()) is None
