@@ -56,6 +56,12 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
     return chat_loop(llm, params, system=ns.system)
 
 
+def _cmd_kvstore(ns: argparse.Namespace) -> int:
+    from services.kvstore.cli import run, settings_from
+
+    return run(settings_from(ns))
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
@@ -107,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         _add_sampling_flags(p)
         add_engine_args(p)
         p.set_defaults(func=_cmd_chat)
+
+    from services.kvstore.cli import add_kvstore_args
+
+    p = sub.add_parser("kvstore", help="serve the KV block store (blocks from prefill to decode)")
+    add_kvstore_args(p)
+    p.set_defaults(func=_cmd_kvstore)
     return parser
 
 

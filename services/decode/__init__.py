@@ -1,0 +1,1 @@
+"""Decode worker: imports prefilled KV blocks and generates with continuous batching."""

@@ -1,0 +1,5 @@
+import sys
+
+from services.decode.server import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""KVStoreClient: async puts and gets of KV blocks, streamed in messages of a few MiB."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
+from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.batching import batched_by_bytes
+
+BlockIn = tuple[bytes, bytes | memoryview, int]
+"""(key, data, num_tokens) of one block to put."""
+
+
+def _check_timeout(timeout: float) -> None:
+    if not timeout > 0:
+        raise ValueError(f"a kvstore call needs a positive timeout in seconds, got {timeout!r}")
+
+
+def put_requests(
+    layout: common_pb2.BlockLayout, blocks: Sequence[BlockIn]
+) -> Iterator[kvstore_pb2.PutBlocksRequest]:
+    """PutBlocks messages of at most STREAM_CHUNK_BYTES of data each; the first carries the layout."""
+    # protobuf takes bytes only: a memoryview costs one copy here.
+    as_bytes = ((k, d if isinstance(d, bytes) else bytes(d), n) for k, d, n in blocks)
+    # Only the first message carries the layout; with no blocks it still goes, alone.
+    first = True
+    for batch in batched_by_bytes(as_bytes, lambda b: len(b[1]), STREAM_CHUNK_BYTES):
+        request = kvstore_pb2.PutBlocksRequest(
+            blocks=[common_pb2.Block(key=k, data=d, num_tokens=n) for k, d, n in batch]
+        )
+        if first:
+            request.layout.CopyFrom(layout)
+            first = False
+        yield request
+    if first:
+        yield kvstore_pb2.PutBlocksRequest(layout=layout)
+
+
+class KVStoreClient:
+    """A channel to one kvstore. Every call takes a deadline; errors raise grpc.aio.AioRpcError."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = aio_channel(address)
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+
+    async def put_blocks(
+        self, layout: common_pb2.BlockLayout, blocks: Sequence[BlockIn], timeout: float
+    ) -> kvstore_pb2.PutBlocksResponse:
+        """Store ``blocks`` (replacing blocks with the same key) under ``layout``."""
+        _check_timeout(timeout)
+        return await self._stub.PutBlocks(put_requests(layout, blocks), timeout=timeout)
+
+    async def get_blocks(
+        self, layout: common_pb2.BlockLayout, keys: Sequence[bytes], timeout: float
+    ) -> tuple[dict[bytes, bytes], list[bytes]]:
+        """(data by key of the blocks found, keys the store does not have)."""
+        _check_timeout(timeout)
+        found: dict[bytes, bytes] = {}
+        missing: list[bytes] = []
+        call = self._stub.GetBlocks(
+            kvstore_pb2.GetBlocksRequest(layout=layout, keys=keys), timeout=timeout
+        )
+        async for response in call:
+            for block in response.blocks:
+                found[block.key] = block.data
+            missing.extend(response.missing)
+        return found, missing
+
+    async def stat(self, timeout: float) -> kvstore_pb2.StatResponse:
+        """The store's counters."""
+        _check_timeout(timeout)
+        return await self._stub.Stat(kvstore_pb2.StatRequest(), timeout=timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> KVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

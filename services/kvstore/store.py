@@ -1,0 +1,136 @@
+"""BlockStore: KV blocks in memory up to a byte capacity, least recently used out first.
+
+Pure Python, no gRPC: keys and values are ``bytes``; the ``bytes`` objects handed in
+are kept as they are, never copied.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import astuple, fields
+from typing import Any, NamedTuple
+
+from services.engine.kv_transfer import BlockLayout
+
+
+def layout_of(message: Any) -> BlockLayout:
+    """The BlockLayout of anything with its fields (a ``common_pb2.BlockLayout``)."""
+    return BlockLayout(**{f.name: getattr(message, f.name) for f in fields(BlockLayout)})
+
+
+def layout_differences(
+    have: BlockLayout, got: BlockLayout, have_name: str, got_name: str
+) -> list[str]:
+    """One "field: <have_name> has X, <got_name> has Y" per differing field."""
+
+    def show(value: object) -> str:
+        return value.hex() if isinstance(value, bytes) else repr(value)
+
+    return [
+        f"{f.name}: {have_name} has {show(a)}, {got_name} has {show(b)}"
+        for f, a, b in zip(fields(BlockLayout), astuple(have), astuple(got), strict=True)
+        if a != b
+    ]
+
+
+class LayoutMismatch(ValueError):
+    """A request's block layout differs from the store's; the message names each field."""
+
+    def __init__(self, have: BlockLayout, got: BlockLayout) -> None:
+        diffs = "; ".join(layout_differences(have, got, "store", "request"))
+        super().__init__(
+            f"block layout mismatch (the kvstore holds blocks of another model or KV layout): "
+            f"{diffs}"
+        )
+        self.have = have
+        self.got = got
+
+
+class StoredBlock(NamedTuple):
+    data: bytes
+    num_tokens: int
+
+
+class BlockStore:
+    """Blocks of one layout, keyed by bytes, evicted least recently used first.
+
+    The first put fixes the layout for the life of the store (a new model means a
+    new kvstore); puts and gets with another layout raise LayoutMismatch.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"the store's capacity must be at least 1 byte, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.layout: BlockLayout | None = None
+        # Least recently used first.
+        self._blocks: OrderedDict[bytes, StoredBlock] = OrderedDict()
+        self.bytes_used = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.blocks_in = 0
+        self.blocks_out = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def lru_order(self) -> list[bytes]:
+        """Keys from least to most recently used: the next evicted comes first."""
+        return list(self._blocks)
+
+    def check_layout(self, layout: BlockLayout) -> None:
+        """Raise LayoutMismatch if the store holds another layout; fixes nothing."""
+        if self.layout is not None and layout != self.layout:
+            raise LayoutMismatch(self.layout, layout)
+
+    def put(self, layout: BlockLayout, key: bytes, data: bytes, num_tokens: int) -> None:
+        """Store (or replace) a block as most recently used, evicting LRU blocks to fit."""
+        self.check_layout(layout)
+        if not key:
+            raise ValueError("every block needs a non-empty key")
+        if len(data) > self.capacity_bytes:
+            raise ValueError(
+                f"a block of {len(data)} bytes does not fit in the store's capacity of "
+                f"{self.capacity_bytes} bytes: raise --capacity-bytes"
+            )
+        self.layout = layout
+        old = self._blocks.pop(key, None)
+        if old is not None:
+            self.bytes_used -= len(old.data)
+        while self.bytes_used + len(data) > self.capacity_bytes:
+            _, evicted = self._blocks.popitem(last=False)
+            self.bytes_used -= len(evicted.data)
+            self.evictions += 1
+        self._blocks[key] = StoredBlock(data, num_tokens)
+        self.bytes_used += len(data)
+        self.bytes_in += len(data)
+        self.blocks_in += 1
+
+    def get(self, layout: BlockLayout, key: bytes) -> StoredBlock | None:
+        """The block under ``key``, now most recently used; None (a miss) if absent."""
+        self.check_layout(layout)
+        block = self._blocks.get(key)
+        if block is None:
+            self.misses += 1
+            return None
+        self._blocks.move_to_end(key)
+        self.hits += 1
+        self.bytes_out += len(block.data)
+        self.blocks_out += 1
+        return block
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the byte accounting disagrees with the blocks held (a bug)."""
+        held = sum(len(b.data) for b in self._blocks.values())
+        if held != self.bytes_used or held > self.capacity_bytes:
+            raise RuntimeError(
+                f"bug: BlockStore accounts {self.bytes_used} bytes, holds {held}, "
+                f"capacity {self.capacity_bytes}"
+            )

@@ -1,0 +1,1 @@
+"""Prefill worker: an engine that computes prompts' KV blocks and ships them to the kvstore."""

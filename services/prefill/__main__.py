@@ -1,0 +1,5 @@
+import sys
+
+from services.prefill.server import main
+
+sys.exit(main())

@@ -1,0 +1,220 @@
+"""The kvstore as a real process over 127.0.0.1: streamed put/get, LRU, layout checks, health."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
+from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.client import KVStoreClient, put_requests
+from services.kvstore.launch import ROOT, KVStoreProcess, read_ready_line, start_kvstore
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 2**20
+CAPACITY = 16 * MiB
+TIMEOUT = 10.0
+# float32 blocks of 32 layers x 2 (K, V) x 4 KV heads x 16 tokens x 64 dims: 1 MiB each.
+LAYOUT = common_pb2.BlockLayout(
+    version=1,
+    model_fingerprint=b"\xab" * 16,
+    dtype="float32",
+    block_size=16,
+    num_layers=32,
+    num_kv_heads=4,
+    head_dim=64,
+)
+
+
+def other_layout(**changes) -> common_pb2.BlockLayout:
+    layout = common_pb2.BlockLayout()
+    layout.CopyFrom(LAYOUT)
+    for name, value in changes.items():
+        setattr(layout, name, value)
+    return layout
+
+
+def blocks(prefix: str, n: int, size: int = MiB) -> list[tuple[bytes, bytes, int]]:
+    """``n`` blocks of distinct contents, keyed ``<prefix>/<i>``."""
+    return [(f"{prefix}/{i}".encode(), bytes([i % 256]) * size, 16) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def kvstore(tmp_path_factory) -> KVStoreProcess:
+    log = (tmp_path_factory.mktemp("kvstore") / "stderr.log").open("wb")
+    process = start_kvstore(CAPACITY, stderr=log, timeout=30)
+    yield process
+    process.stop()
+    log.close()
+
+
+@pytest.fixture
+async def client(kvstore):
+    async with KVStoreClient(kvstore.address) as c:
+        yield c
+
+
+@pytest.fixture
+async def stub(kvstore):
+    async with aio_channel(kvstore.address) as channel:
+        yield kvstore_pb2_grpc.KVStoreStub(channel)
+
+
+# -- transfer -----------------------------------------------------------------------------
+
+
+def test_put_is_streamed_in_messages_of_at_most_the_chunk_size():
+    requests = list(put_requests(LAYOUT, blocks("split", 12)))
+    assert [len(r.blocks) for r in requests] == [4, 4, 4]
+    assert [r.HasField("layout") for r in requests] == [True, False, False]
+    assert all(sum(len(b.data) for b in r.blocks) <= STREAM_CHUNK_BYTES for r in requests)
+    (empty,) = put_requests(LAYOUT, [])
+    assert empty.layout == LAYOUT and not empty.blocks
+    (viewed,) = put_requests(LAYOUT, [(b"v", memoryview(bytearray(b"\x01\x02")), 1)])
+    assert viewed.blocks[0].data == b"\x01\x02"
+
+
+async def test_round_trip_of_12_MiB_in_several_messages(client, stub):
+    sent = blocks("trip", 12)
+    response = await client.put_blocks(LAYOUT, sent, timeout=TIMEOUT)
+    assert (response.num_stored, response.bytes_stored) == (12, 12 * MiB)
+
+    keys = [key for key, _, _ in sent]
+    found, missing = await client.get_blocks(LAYOUT, [*keys, b"trip/none"], timeout=TIMEOUT)
+    assert found == {key: data for key, data, _ in sent}
+    assert missing == [b"trip/none"]
+
+    # On the wire: three messages of 4 MiB of data; `missing` only in the last.
+    call = stub.GetBlocks(
+        kvstore_pb2.GetBlocksRequest(layout=LAYOUT, keys=[*keys, b"trip/none"]), timeout=TIMEOUT
+    )
+    responses = [r async for r in call]
+    assert [len(r.blocks) for r in responses] == [4, 4, 4]
+    assert [list(r.missing) for r in responses] == [[], [], [b"trip/none"]]
+    assert [b.num_tokens for r in responses for b in r.blocks] == [16] * 12
+
+
+async def test_get_of_only_missing_keys_still_answers_one_message(client, stub):
+    found, missing = await client.get_blocks(LAYOUT, [b"gone/1", b"gone/2"], timeout=TIMEOUT)
+    assert (found, missing) == ({}, [b"gone/1", b"gone/2"])
+    call = stub.GetBlocks(kvstore_pb2.GetBlocksRequest(layout=LAYOUT), timeout=TIMEOUT)
+    assert [(list(r.blocks), list(r.missing)) async for r in call] == [([], [])]
+
+
+async def test_lru_eviction_under_capacity_seen_through_stat_and_get(client):
+    n = CAPACITY // MiB
+    await client.put_blocks(LAYOUT, blocks("lru", n), timeout=TIMEOUT)  # fills the store
+    before = await client.stat(timeout=TIMEOUT)
+    assert (before.num_blocks, before.bytes_used, before.capacity_bytes) == (n, CAPACITY, CAPACITY)
+
+    found, _ = await client.get_blocks(LAYOUT, [b"lru/0"], timeout=TIMEOUT)  # now most recent
+    assert list(found) == [b"lru/0"]
+    await client.put_blocks(LAYOUT, blocks("lru-new", 1), timeout=TIMEOUT)  # evicts lru/1
+
+    after = await client.stat(timeout=TIMEOUT)
+    assert after.evictions - before.evictions == 1
+    assert (after.num_blocks, after.bytes_used) == (n, CAPACITY)
+    assert after.bytes_in - before.bytes_in == MiB
+    assert (after.hits - before.hits, after.bytes_out - before.bytes_out) == (1, MiB)
+    found, missing = await client.get_blocks(
+        LAYOUT, [b"lru/0", b"lru/1", b"lru/2", b"lru-new/0"], timeout=TIMEOUT
+    )
+    assert sorted(found) == [b"lru-new/0", b"lru/0", b"lru/2"]
+    assert missing == [b"lru/1"]
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+
+async def test_layout_mismatch_fails_put_and_get_with_the_differing_fields(client):
+    await client.put_blocks(LAYOUT, blocks("fixed", 1), timeout=TIMEOUT)
+    wrong = other_layout(block_size=32, dtype="bfloat16")
+
+    with pytest.raises(grpc.aio.AioRpcError) as put_error:
+        await client.put_blocks(wrong, blocks("wrong", 2), timeout=TIMEOUT)
+    with pytest.raises(grpc.aio.AioRpcError) as get_error:
+        await client.get_blocks(wrong, [b"fixed/0"], timeout=TIMEOUT)
+    for error in (put_error.value, get_error.value):
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "dtype: store has 'float32', request has 'bfloat16'" in error.details()
+        assert "block_size: store has 16, request has 32" in error.details()
+    _, missing = await client.get_blocks(LAYOUT, [b"wrong/0"], timeout=TIMEOUT)
+    assert missing == [b"wrong/0"]
+
+
+async def test_first_put_message_without_layout_is_invalid(stub):
+    request = kvstore_pb2.PutBlocksRequest(blocks=[common_pb2.Block(key=b"k", data=b"x")])
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.PutBlocks(iter([request]), timeout=TIMEOUT)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == "the first PutBlocks message must carry the block layout"
+
+
+async def test_layout_changing_within_one_put_stream_is_invalid(stub):
+    requests = [
+        kvstore_pb2.PutBlocksRequest(layout=LAYOUT),
+        kvstore_pb2.PutBlocksRequest(layout=other_layout(head_dim=128)),
+    ]
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.PutBlocks(iter(requests), timeout=TIMEOUT)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "head_dim: first message has 64, this message has 128" in error.value.details()
+
+
+async def test_block_larger_than_the_capacity_is_invalid(client):
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await client.put_blocks(LAYOUT, blocks("huge", 1, CAPACITY + 1), timeout=TIMEOUT)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not fit in the store's capacity" in error.value.details()
+
+
+async def test_client_refuses_a_call_without_a_positive_timeout(client):
+    with pytest.raises(ValueError, match="positive timeout"):
+        await client.stat(timeout=0)
+
+
+# -- service plumbing -----------------------------------------------------------------------
+
+
+async def test_health_reports_serving_and_reflection_lists_the_service(kvstore):
+    async with aio_channel(kvstore.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        response = await health.Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.KVStore"), timeout=TIMEOUT
+        )
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT
+        )
+        names = [s.name async for r in call for s in r.list_services_response.service]
+        assert "pdserve.v1.KVStore" in names
+
+
+async def test_pdserve_kvstore_reads_env_and_stops_cleanly_on_sigterm():
+    env = {**os.environ, "PDSERVE_KVSTORE_CAPACITY_BYTES": "3MiB"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "kvstore", "--port", "0"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        address = read_ready_line(process, "kvstore", timeout=30)
+        assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+        async with KVStoreClient(address) as c:
+            assert (await c.stat(timeout=TIMEOUT)).capacity_bytes == 3 * MiB
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+    finally:
+        KVStoreProcess(process, "").stop()
