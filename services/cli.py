@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(p)
         p.set_defaults(func=_cmd_chat)
 
+    for name, (_, help_text) in _SERVICES.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+
     from services.kvstore.cli import add_kvstore_args
 
     p = sub.add_parser("kvstore", help="serve the KV block store (blocks from prefill to decode)")
@@ -122,7 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Services with their own flags: `pdserve prefill ...` is `python -m services.prefill ...`.
+_SERVICES = {
+    "prefill": ("services.prefill.server", "run a prefill worker (see `pdserve prefill --help`)"),
+    "decode": ("services.decode.server", "run a decode worker (see `pdserve decode --help`)"),
+    "gateway": (
+        "services.gateway.__main__",
+        "run the gateway's gRPC front (see `pdserve gateway --help`)",
+    ),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _SERVICES:
+        import importlib
+
+        return importlib.import_module(_SERVICES[argv[0]][0]).main(argv[1:])
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(

@@ -19,14 +19,15 @@ DEFAULT_MAX_TOKENS = 256
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams, **override) -> SamplingParams:
-    """proto3 zero values mean "unset": max_tokens 0 -> 256, top_p 0 -> 1, top_k 0 -> off.
+    """proto3 zero values mean "unset": max_tokens 0 -> 256, top_p 0 -> 1, top_k 0 -> off;
+    any other value is checked as given.
 
     Raises ValueError (naming the parameter) for nonsense values."""
     kwargs = dict(
         max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=p.temperature,
-        top_k=p.top_k if p.top_k > 0 else -1,
-        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k or -1,
+        top_p=p.top_p or 1.0,
         min_p=p.min_p,
         seed=p.seed if p.HasField("seed") else None,
         stop_token_ids=tuple(p.stop_token_ids),

@@ -1,0 +1,1 @@
+"""The gateway: the gRPC front door, tokenizer, router and prefill/decode orchestration."""

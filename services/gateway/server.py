@@ -1,0 +1,207 @@
+"""The gateway's gRPC front: Generate and GenerateStream over the orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.common.grpc_utils import start_server
+from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
+from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
+from services.gateway.router import NoWorkerError
+from services.gateway.settings import GatewaySettings, SettingsError
+from services.gateway.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Gateway"
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Validates and tokenizes requests, runs them, and turns token streams into text."""
+
+    def __init__(self, orchestrator: Orchestrator, tokenizer: Any, limits: ModelLimits) -> None:
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GenerateResponse:
+        """The whole output at once."""
+        try:
+            prepared = prepare(request, self.tokenizer, self.limits)
+            response = gateway_pb2.GenerateResponse(request_id=prepared.request_id)
+            texts = []
+            async with aclosing(self._stream(prepared)) as chunks:
+                async for chunk in chunks:
+                    response.token_ids.extend(chunk.token_ids)
+                    response.logprobs.extend(chunk.logprobs)
+                    texts.append(chunk.text)
+                    response.finish_reason = chunk.finish_reason
+                    response.usage.CopyFrom(chunk.usage)
+        except REQUEST_ERRORS as error:
+            await context.abort(*status_of(error))
+        response.text = "".join(texts)
+        return response
+
+    async def GenerateStream(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """The output as it is generated: new tokens and text per message."""
+        # context.write keeps a client's cancellation inside this frame, so leaving the
+        # `async with` cancels the decode call at once.
+        try:
+            prepared = prepare(request, self.tokenizer, self.limits)
+            async with aclosing(self._stream(prepared)) as chunks:
+                async for chunk in chunks:
+                    await context.write(chunk)
+        except REQUEST_ERRORS as error:
+            await context.abort(*status_of(error))
+
+    async def _stream(
+        self, request: PreparedRequest
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Messages with new tokens and text; the last has finish_reason and usage.
+
+        A stop string ends the stream as "stop" and cancels the generation upstream.
+        """
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        stop = StopChecker(list(request.stop))
+        usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))
+        last = None
+        events = self.orchestrator.generate(
+            request.request_id, request.prompt_token_ids, request.params
+        )
+        async with aclosing(events):
+            async for event in events:
+                usage.completion_tokens += len(event.token_ids)
+                usage.cached_prompt_tokens = max(
+                    usage.cached_prompt_tokens, event.num_cached_tokens
+                )
+                text, stopped = stop.feed(detokenizer.add(list(event.token_ids)))
+                if event.finish_reason and not stopped:
+                    tail, stopped = stop.feed(detokenizer.finish())
+                    text += tail if stopped else tail + stop.flush()
+                chunk = gateway_pb2.GenerateResponse(
+                    request_id=request.request_id, token_ids=event.token_ids, text=text
+                )
+                if request.wants_logprobs:
+                    chunk.logprobs.extend(event.logprobs)
+                if stopped or event.finish_reason:
+                    chunk.finish_reason = "stop" if stopped else event.finish_reason
+                    last = chunk
+                    break  # leaving `async with` cancels the decode call if it still runs
+                if chunk.token_ids or chunk.text:
+                    yield chunk
+        if last is None:
+            raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")
+        last.usage.CopyFrom(usage)
+        yield last
+
+
+# What a request can meet on its way; anything else is a bug in the gateway.
+REQUEST_ERRORS = (InvalidRequest, grpc.aio.AioRpcError, NoWorkerError, WorkerProtocolError)
+
+
+def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a client gets for one of REQUEST_ERRORS; a worker's passes through as is."""
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, grpc.aio.AioRpcError):
+        logger.warning("worker call failed: %s %s", error.code().name, error.details())
+        return error.code(), error.details() or error.code().name
+    if isinstance(error, NoWorkerError):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    logger.error("%s", error)
+    return grpc.StatusCode.INTERNAL, f"bug in a worker: {error}"
+
+
+def model_limits(path: Path, settings: GatewaySettings) -> ModelLimits:
+    """The served model's limits, with --max-model-len checked against the model's own."""
+    from services.engine.config import ModelConfig
+
+    config = ModelConfig.from_dir(path)
+    limit = config.max_position_embeddings
+    if config.sliding_window:
+        limit = min(limit, config.sliding_window)
+    if settings.max_model_len is not None and settings.max_model_len > limit:
+        raise SettingsError(
+            f"--max-model-len {settings.max_model_len} exceeds what the model supports ({limit})"
+        )
+    return ModelLimits(
+        max_model_len=settings.max_model_len or limit,
+        vocab_size=config.vocab_size,
+        max_tokens_default=settings.max_tokens_default,
+    )
+
+
+async def serve(
+    host: str,
+    port: int,
+    prefill_addrs: list[str],
+    decode_addrs: list[str],
+    disaggregation: bool,
+    model: str | None = None,
+    **options: Any,
+) -> None:
+    """Run the gateway until SIGTERM or SIGINT, then drain and stop.
+
+    ``options`` are the other GatewaySettings fields (max_model_len, timeouts, ...).
+    Prints ``READY gateway HOST:PORT`` on stdout once it accepts calls.
+    """
+    settings = GatewaySettings(
+        host=host,
+        port=port,
+        prefill_addrs=tuple(prefill_addrs),
+        decode_addrs=tuple(decode_addrs),
+        disaggregation=disaggregation,
+        model=model,
+        **options,
+    )
+    from transformers import AutoTokenizer
+
+    from services.engine.prepare_model import resolve_model
+
+    path = resolve_model(settings.model)
+    settings = replace(settings, model=str(path))
+    limits = model_limits(path, settings)
+    logger.info("gateway settings: %s; model limits: %s", settings, limits)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    orchestrator = Orchestrator(
+        settings.prefill_addrs if settings.disaggregation else (),
+        settings.decode_addrs,
+        settings.disaggregation,
+        prefill_timeout_s=settings.prefill_timeout_s,
+        decode_timeout_s=settings.decode_timeout_s,
+    )
+    servicer = GatewayServicer(orchestrator, tokenizer, limits)
+    server, bound_port = await start_server(
+        f"{settings.host}:{settings.port}",
+        [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+    )
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    print(f"READY gateway {settings.host}:{bound_port}", flush=True)
+    try:
+        await stopping.wait()
+    finally:
+        logger.info("draining for up to %.0fs", settings.drain_timeout_s)
+        await server.health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=settings.drain_timeout_s)
+        await orchestrator.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,142 @@
+"""The gateway's settings: one frozen object, from flags and ``PDSERVE_*`` variables, checked."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from services.engine.config import env_default
+from services.gateway.requests import DEFAULT_MAX_TOKENS
+
+
+class SettingsError(ValueError):
+    """A setting the gateway cannot start with; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Where the gateway listens, which workers it sends to, and its limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    prefill_addrs: tuple[str, ...] = field(default_factory=tuple)
+    decode_addrs: tuple[str, ...] = field(default_factory=tuple)
+    disaggregation: bool = True
+    model: str | None = None  # a checkpoint dir; None: the default model
+    max_model_len: int | None = None  # None: the model's limit
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    prefill_timeout_s: float = 60.0
+    decode_timeout_s: float = 600.0
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_addrs", tuple(self.prefill_addrs))
+        object.__setattr__(self, "decode_addrs", tuple(self.decode_addrs))
+        if not self.decode_addrs:
+            raise SettingsError(
+                "no decode worker: pass --decode HOST:PORT (repeat it for several workers)"
+            )
+        if self.disaggregation and not self.prefill_addrs:
+            raise SettingsError(
+                "--disaggregation on needs a prefill worker: pass --prefill HOST:PORT, or use "
+                "--disaggregation off to let decode workers prefill prompts themselves"
+            )
+        for address in (*self.prefill_addrs, *self.decode_addrs):
+            _check_address(address)
+        _check(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"--max-model-len must be at least 2, got {self.max_model_len}",
+        )
+        _check(
+            self.max_tokens_default >= 1,
+            f"--max-tokens-default must be at least 1, got {self.max_tokens_default}",
+        )
+        for flag, value in (
+            ("--prefill-timeout", self.prefill_timeout_s),
+            ("--decode-timeout", self.decode_timeout_s),
+            ("--drain-timeout", self.drain_timeout_s),
+        ):
+            _check(value > 0, f"{flag} must be a positive number of seconds, got {value}")
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    """The gateway's flags; ``PDSERVE_<NAME>`` in the environment sets each default."""
+    # argparse converts string defaults with `type`, so a bad variable fails like a bad flag.
+    add = parser.add_argument
+    add("--host", default=env_default("gateway_host", "127.0.0.1"), help="address to listen on")
+    add("--port", type=int, default=env_default("gateway_port", "50051"), help="0: any free port")
+    add(
+        "--prefill",
+        action="append",
+        metavar="HOST:PORT",
+        help="a prefill worker (repeatable) [env PDSERVE_PREFILL, comma-separated]",
+    )
+    add(
+        "--decode",
+        action="append",
+        metavar="HOST:PORT",
+        help="a decode worker (repeatable) [env PDSERVE_DECODE, comma-separated]",
+    )
+    add(
+        "--disaggregation",
+        choices=["on", "off"],
+        default=env_default("disaggregation", "on"),
+        help="on: prefill on prefill workers, KV through the kvstore; off: decode workers do both",
+    )
+    add("--model", default=env_default("model"), help="checkpoint dir (default: SmolLM2)")
+    add(
+        "--max-model-len",
+        type=int,
+        default=env_default("max_model_len"),
+        help="longest prompt + output in tokens (default: the model's limit)",
+    )
+    add(
+        "--max-tokens-default",
+        type=int,
+        default=env_default("max_tokens_default", str(DEFAULT_MAX_TOKENS)),
+        help="max_tokens of a request that leaves it unset",
+    )
+    add("--prefill-timeout", type=float, default=env_default("prefill_timeout", "60"))
+    add("--decode-timeout", type=float, default=env_default("decode_timeout", "600"))
+    add(
+        "--drain-timeout",
+        type=float,
+        default=env_default("drain_timeout", "10"),
+        help="seconds running requests get to finish on SIGTERM",
+    )
+
+
+def settings_from(ns: argparse.Namespace) -> GatewaySettings:
+    """Settings from parsed flags; raises SettingsError saying what to change."""
+    return GatewaySettings(
+        host=ns.host,
+        port=ns.port,
+        prefill_addrs=tuple(ns.prefill or _env_list("prefill")),
+        decode_addrs=tuple(ns.decode or _env_list("decode")),
+        disaggregation=ns.disaggregation == "on",
+        model=ns.model,
+        max_model_len=ns.max_model_len,
+        max_tokens_default=ns.max_tokens_default,
+        prefill_timeout_s=ns.prefill_timeout,
+        decode_timeout_s=ns.decode_timeout,
+        drain_timeout_s=ns.drain_timeout,
+    )
+
+
+def _env_list(name: str) -> list[str]:
+    value = env_default(name) or ""
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _check_address(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    _check(
+        bool(host) and port.isdigit(),
+        f"worker address {address!r} is not HOST:PORT (e.g. 127.0.0.1:50061)",
+    )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SettingsError(message)

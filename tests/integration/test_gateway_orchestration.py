@@ -1,0 +1,505 @@
+"""The gateway against fake prefill and decode workers: real grpc.aio servers on real sockets.
+
+The fakes return fixed token streams and record what they were sent and whether their
+call was cancelled, so these tests pin the wire contract the real workers must keep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.grpc_utils import aio_channel, start_server
+from services.common.pb import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from services.gateway.__main__ import main as gateway_main
+from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
+from services.gateway.requests import ModelLimits
+from services.gateway.router import Router
+from services.gateway.server import SERVICE_NAME, GatewayServicer
+
+WAIT_S = 2.0  # every wait on the fakes is bounded by this
+REPO = Path(__file__).resolve().parents[2]
+LAYOUT = common_pb2.BlockLayout(
+    version=1,
+    model_fingerprint=b"\x01" * 16,
+    dtype="float32",
+    block_size=16,
+    num_layers=30,
+    num_kv_heads=3,
+    head_dim=64,
+)
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    """Answers every Prefill with one fixed response."""
+
+    def __init__(self, log: list, response: prefill_pb2.PrefillResponse) -> None:
+        self.log = log
+        self.response = response
+
+    async def Prefill(self, request, context):
+        self.log.append(("prefill", request))
+        return self.response
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    """Streams fixed token chunks, the last one with finish_reason; notes a cancellation.
+
+    Like the real worker, a stream after a prefill begins with the prefill's first token:
+    in a message of its own (echo_first "alone") or with the next tokens ("merged").
+    """
+
+    def __init__(
+        self,
+        log: list,
+        chunks: list[list[int]],
+        finish_reason: str = "length",
+        delay_s: float = 0.0,
+        num_cached_tokens: int = 0,
+        error: tuple[grpc.StatusCode, str] | None = None,
+        echo_first: str = "alone",
+    ) -> None:
+        self.log = log
+        self.echo_first = echo_first
+        self.chunks = chunks
+        self.finish_reason = finish_reason
+        self.delay_s = delay_s
+        self.num_cached_tokens = num_cached_tokens
+        self.error = error
+        self.cancelled = asyncio.Event()
+
+    async def Decode(self, request, context):
+        self.log.append(("decode", request))
+        if self.error is not None:
+            await context.abort(*self.error)
+        chunks = self.chunks
+        if request.HasField("first_token_id"):
+            first = request.first_token_id
+            if self.echo_first == "alone":
+                chunks = [[first], *chunks]
+            elif self.echo_first == "merged":
+                chunks = [[first, *chunks[0]], *chunks[1:]]
+        try:
+            for i, ids in enumerate(chunks):
+                last = i == len(chunks) - 1
+                yield decode_pb2.DecodeResponse(
+                    token_ids=ids,
+                    logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=-0.5) for t in ids],
+                    finish_reason=self.finish_reason if last else "",
+                    num_cached_tokens=self.num_cached_tokens,
+                )
+                await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            if context.cancelled():
+                self.cancelled.set()
+
+
+def prefill_response(first_token_id: int, finish_reason: str = "") -> prefill_pb2.PrefillResponse:
+    return prefill_pb2.PrefillResponse(
+        first_token_id=first_token_id,
+        first_logprob=common_pb2.TokenLogprob(token_id=first_token_id, logprob=-0.25),
+        block_keys=[b"hash-0", b"hash-1", b"tail/r1"],
+        num_prompt_tokens=40,
+        num_cached_tokens=16,
+        kvstore_address="127.0.0.1:7777",
+        layout=LAYOUT,
+        finish_reason=finish_reason,
+    )
+
+
+@asynccontextmanager
+async def serving(*servicers):
+    """Each fake on its own 127.0.0.1 port; yields the addresses."""
+    servers, addresses = [], []
+    for servicer in servicers:
+        if isinstance(servicer, FakePrefill):
+            add, name = prefill_pb2_grpc.add_PrefillServicer_to_server, "pdserve.v1.Prefill"
+        elif isinstance(servicer, FakeDecode):
+            add, name = decode_pb2_grpc.add_DecodeServicer_to_server, "pdserve.v1.Decode"
+        else:
+            add, name = gateway_pb2_grpc.add_GatewayServicer_to_server, SERVICE_NAME
+        server, port = await start_server(
+            "127.0.0.1:0", [lambda s, add=add, sv=servicer: add(sv, s)], [name]
+        )
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    try:
+        yield addresses
+    finally:
+        await asyncio.gather(*(s.stop(grace=None) for s in servers))
+
+
+@asynccontextmanager
+async def orchestrating(prefill_addrs, decode_addrs, disaggregation=True):
+    orchestrator = Orchestrator(
+        prefill_addrs, decode_addrs, disaggregation, prefill_timeout_s=5, decode_timeout_s=5
+    )
+    try:
+        yield orchestrator
+    finally:
+        await orchestrator.close()
+
+
+PARAMS = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+
+
+async def collect(orchestrator: Orchestrator, prompt=(5, 6, 7), params=PARAMS) -> list:
+    async with asyncio.timeout(WAIT_S):
+        return [e async for e in orchestrator.generate("r1", list(prompt), params)]
+
+
+# -- orchestrator ---------------------------------------------------------------------------
+
+
+async def test_prefill_then_decode_hands_over_the_prefill_fields():
+    log: list = []
+    prefill = FakePrefill(log, prefill_response(first_token_id=100))
+    decode = FakeDecode(log, [[101, 102], [103]], num_cached_tokens=32)
+    async with serving(prefill, decode) as (p, d), orchestrating([p], [d]) as orchestrator:
+        events = await collect(orchestrator)
+
+    assert [kind for kind, _ in log] == ["prefill", "decode"]
+    prefill_request, decode_request = log[0][1], log[1][1]
+    assert prefill_request.request_id == decode_request.request_id == "r1"
+    assert list(prefill_request.prompt_token_ids) == list(decode_request.prompt_token_ids)
+    assert prefill_request.params == decode_request.params == PARAMS
+    assert decode_request.HasField("first_token_id") and decode_request.first_token_id == 100
+    assert decode_request.first_logprob == prefill.response.first_logprob
+    assert list(decode_request.block_keys) == [b"hash-0", b"hash-1", b"tail/r1"]
+    assert decode_request.kvstore_address == "127.0.0.1:7777"
+    assert decode_request.layout == LAYOUT
+
+    # The decode stream's own first message, the repeated first token, is left empty.
+    assert [list(e.token_ids) for e in events] == [[100], [], [101, 102], [103]]
+    assert [e.num_cached_tokens for e in events] == [16, 32, 32, 32]
+    assert [[lp.logprob for lp in e.logprobs] for e in events] == [
+        [-0.25],
+        [],
+        [-0.5, -0.5],
+        [-0.5],
+    ]
+    assert [e.finish_reason for e in events] == ["", "", "", "length"]
+
+
+async def test_the_repeated_first_token_is_dropped_whatever_the_message():
+    log: list = []
+    prefill = FakePrefill(log, prefill_response(first_token_id=100))
+    decode = FakeDecode(log, [[101, 102], [103]], echo_first="merged")
+    async with serving(prefill, decode) as (p, d), orchestrating([p], [d]) as orchestrator:
+        events = await collect(orchestrator)
+    assert [list(e.token_ids) for e in events] == [[100], [101, 102], [103]]
+    assert [len(e.logprobs) for e in events] == [1, 2, 1]
+
+
+async def test_a_decode_stream_without_the_first_token_is_a_worker_bug():
+    log: list = []
+    prefill = FakePrefill(log, prefill_response(first_token_id=100))
+    decode = FakeDecode(log, [[101, 102], [103]], echo_first="none")
+    async with serving(prefill, decode) as (p, d), orchestrating([p], [d]) as orchestrator:
+        with pytest.raises(WorkerProtocolError, match="not the prefill's first token 100"):
+            await collect(orchestrator)
+
+
+async def test_a_finished_prefill_skips_decode():
+    log: list = []
+    prefill = FakePrefill(log, prefill_response(first_token_id=2, finish_reason="stop"))
+    decode = FakeDecode(log, [[1]])
+    async with serving(prefill, decode) as (p, d), orchestrating([p], [d]) as orchestrator:
+        events = await collect(orchestrator)
+    assert [kind for kind, _ in log] == ["prefill"]
+    assert [(list(e.token_ids), e.finish_reason) for e in events] == [([2], "stop")]
+
+
+async def test_colocated_mode_skips_prefill():
+    log: list = []
+    decode = FakeDecode(log, [[11], [12]], finish_reason="stop")
+    async with serving(decode) as (d,), orchestrating([], [d], disaggregation=False) as orch:
+        events = await collect(orch)
+    assert [kind for kind, _ in log] == ["decode"]
+    request = log[0][1]
+    assert not request.HasField("first_token_id") and not request.HasField("first_logprob")
+    assert list(request.block_keys) == [] and request.kvstore_address == ""
+    assert [list(e.token_ids) for e in events] == [[11], [12]]
+
+
+async def test_decode_workers_are_picked_round_robin():
+    logs: list[list] = [[], []]
+    fakes = [FakeDecode(logs[0], [[1]]), FakeDecode(logs[1], [[1]])]
+    async with serving(*fakes) as addrs, orchestrating([], addrs, disaggregation=False) as orch:
+        for _ in range(4):
+            await collect(orch)
+    assert [len(log) for log in logs] == [2, 2]
+    router = Router(["p1", "p2"], ["d1"])
+    assert [router.pick_prefill() for _ in range(3)] == ["p1", "p2", "p1"]
+
+
+async def test_closing_the_stream_cancels_the_decode_call():
+    log: list = []
+    decode = FakeDecode(log, [[i] for i in range(1000)], delay_s=0.05)
+    async with serving(decode) as (d,), orchestrating([], [d], disaggregation=False) as orch:
+        async with aclosing(orch.generate("r1", [5], PARAMS)) as events:
+            async with asyncio.timeout(WAIT_S):
+                assert list((await anext(events)).token_ids) == [0]
+        await asyncio.wait_for(decode.cancelled.wait(), WAIT_S)
+
+
+async def test_cancelling_the_consumer_cancels_the_decode_call():
+    log: list = []
+    prefill = FakePrefill(log, prefill_response(first_token_id=100))
+    decode = FakeDecode(log, [[i] for i in range(1000)], delay_s=0.05)
+    got_tokens = asyncio.Event()
+
+    async def consume(orchestrator):
+        async for event in orchestrator.generate("r1", [5], PARAMS):
+            if len(event.token_ids) and event.token_ids[0] != 100:
+                got_tokens.set()
+
+    async with serving(prefill, decode) as (p, d), orchestrating([p], [d]) as orchestrator:
+        task = asyncio.create_task(consume(orchestrator))
+        await asyncio.wait_for(got_tokens.wait(), WAIT_S)
+        task.cancel()
+        await asyncio.wait_for(decode.cancelled.wait(), WAIT_S)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_a_worker_error_comes_through_as_is():
+    log: list = []
+    decode = FakeDecode(log, [], error=(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks"))
+    async with serving(decode) as (d,), orchestrating([], [d], disaggregation=False) as orch:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await collect(orch)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert raised.value.details() == "no free KV blocks"
+
+
+# -- the gateway servicer over a real socket ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+ANSWER = " The capital of Japan is Tokyo 東京. STOP Then it rambles on"
+
+
+@asynccontextmanager
+async def gateway(tokenizer, prefill: FakePrefill, decode: FakeDecode, max_model_len=64):
+    async with (
+        serving(prefill, decode) as (p, d),
+        orchestrating([p], [d]) as orchestrator,
+        serving(GatewayServicer(orchestrator, tokenizer, ModelLimits(max_model_len, 49152))) as (
+            g,
+        ),
+    ):
+        channel = aio_channel(g)
+        try:
+            yield gateway_pb2_grpc.GatewayStub(channel)
+        finally:
+            await channel.close()
+
+
+def answer_workers(tokenizer, delay_s=0.0) -> tuple[list, FakePrefill, FakeDecode]:
+    """Fakes that stream ANSWER's tokens: the first from prefill, the rest two by two."""
+    ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+    log: list = []
+    prefill = FakePrefill(log, prefill_response(first_token_id=ids[0]))
+    chunks = [ids[i : i + 2] for i in range(1, len(ids), 2)]
+    return log, prefill, FakeDecode(log, chunks, delay_s=delay_s, num_cached_tokens=32)
+
+
+async def test_stream_applies_a_stop_string_and_cancels_upstream(tokenizer):
+    log, prefill, decode = answer_workers(tokenizer, delay_s=0.05)
+    request = gateway_pb2.GenerateRequest(
+        prompt="What is the capital of Japan?", params=PARAMS, stop=["STOP"]
+    )
+    async with gateway(tokenizer, prefill, decode) as stub:
+        messages = [m async for m in stub.GenerateStream(request, timeout=10)]
+        await asyncio.wait_for(decode.cancelled.wait(), WAIT_S)
+
+    assert "".join(m.text for m in messages) == " The capital of Japan is Tokyo 東京. "
+    assert all(m.finish_reason == "" for m in messages[:-1])
+    last = messages[-1]
+    assert last.finish_reason == "stop"
+    prompt_ids = tokenizer.encode("What is the capital of Japan?", add_special_tokens=True)
+    assert list(log[0][1].prompt_token_ids) == prompt_ids
+    assert last.usage.prompt_tokens == len(prompt_ids)
+    assert last.usage.completion_tokens == sum(len(m.token_ids) for m in messages)
+    assert last.usage.cached_prompt_tokens == 32  # the larger of prefill's 16 and decode's 32
+    assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+    assert len({m.request_id for m in messages}) == 1 and messages[0].request_id
+
+
+async def test_unary_returns_all_tokens_and_text(tokenizer):
+    log, prefill, decode = answer_workers(tokenizer)
+    ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+    request = gateway_pb2.GenerateRequest(
+        request_id="mine",
+        prompt_token_ids=gateway_pb2.TokenIds(ids=[1, 2, 3]),
+        params=common_pb2.SamplingParams(),  # all proto3 defaults
+    )
+    async with gateway(tokenizer, prefill, decode) as stub:
+        response = await stub.Generate(request, timeout=10)
+
+    assert response.request_id == "mine"
+    assert list(response.token_ids) == ids
+    assert response.text == ANSWER
+    assert response.finish_reason == "length"
+    assert len(response.logprobs) == 0  # not asked for
+    assert response.usage == common_pb2.Usage(
+        prompt_tokens=3, completion_tokens=len(ids), cached_prompt_tokens=32
+    )
+    # Unset proto3 values reach the workers resolved.
+    sent = log[0][1].params
+    assert (sent.max_tokens, sent.top_p, sent.top_k, sent.temperature) == (256, 1.0, -1, 0.0)
+    assert not sent.HasField("seed") and not sent.HasField("logprobs")
+
+
+async def test_chat_messages_use_the_template(tokenizer):
+    log, prefill, decode = answer_workers(tokenizer)
+    chat = [{"role": "user", "content": "Hi!"}]
+    request = gateway_pb2.GenerateRequest(
+        messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(**m) for m in chat])
+    )
+    async with gateway(tokenizer, prefill, decode) as stub:
+        await stub.Generate(request, timeout=10)
+    expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert list(log[0][1].prompt_token_ids) == list(expected["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, message_parts",
+    [
+        (dict(prompt=""), ["empty"]),
+        (dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[])), ["empty"]),
+        (dict(), ["prompt"]),
+        (dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[1, 99999])), ["99999", "49152"]),
+        (dict(prompt_token_ids=gateway_pb2.TokenIds(ids=list(range(70)))), ["70", "64"]),
+        (
+            dict(prompt="hi", params=common_pb2.SamplingParams(temperature=-1.0)),
+            ["temperature must be in [0, 100]"],
+        ),
+        (dict(prompt="hi", params=common_pb2.SamplingParams(top_p=1.5)), ["top_p"]),
+        (dict(prompt="hi", params=common_pb2.SamplingParams(top_p=-0.5)), ["top_p"]),
+        (dict(prompt="hi", params=common_pb2.SamplingParams(top_k=-5)), ["top_k"]),
+        (dict(prompt="hi", params=common_pb2.SamplingParams(min_tokens=300)), ["min_tokens"]),
+        (dict(prompt="hi", params=common_pb2.SamplingParams(logprobs=21)), ["logprobs"]),
+    ],
+)
+async def test_bad_requests_are_invalid_argument(tokenizer, request_kwargs, message_parts):
+    log, prefill, decode = answer_workers(tokenizer)
+    request = gateway_pb2.GenerateRequest(**request_kwargs)
+    async with gateway(tokenizer, prefill, decode) as stub:
+        errors = []
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Generate(request, timeout=10)
+        errors.append(raised.value)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            [m async for m in stub.GenerateStream(request, timeout=10)]
+        errors.append(raised.value)
+    for error in errors:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert all(part in error.details() for part in message_parts), error.details()
+    assert log == []  # no worker was called
+
+
+async def test_client_cancel_reaches_the_decode_worker(tokenizer):
+    log, prefill, decode = answer_workers(tokenizer, delay_s=0.2)
+    request = gateway_pb2.GenerateRequest(prompt="Hello", params=PARAMS)
+    async with gateway(tokenizer, prefill, decode) as stub:
+        call = stub.GenerateStream(request, timeout=10)
+        async with asyncio.timeout(WAIT_S):
+            await call.read()  # the first token, from prefill
+            await call.read()  # the first chunk from decode
+        call.cancel()
+        await asyncio.wait_for(decode.cancelled.wait(), WAIT_S)
+
+
+async def test_worker_errors_keep_their_status(tokenizer):
+    log: list = []
+    prefill = FakePrefill(log, prefill_response(first_token_id=100))
+    decode = FakeDecode(log, [], error=(grpc.StatusCode.FAILED_PRECONDITION, "layout mismatch"))
+    request = gateway_pb2.GenerateRequest(prompt="Hello")
+    async with gateway(tokenizer, prefill, decode) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Generate(request, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert raised.value.details() == "layout mismatch"
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prefill", "127.0.0.1:1"], "no decode worker"),
+        (["--decode", "127.0.0.1:1"], "needs a prefill worker"),
+        (["--decode", "nohost", "--disaggregation", "off"], "not HOST:PORT"),
+        (
+            ["--decode", "127.0.0.1:1", "--disaggregation", "off", "--decode-timeout", "0"],
+            "positive",
+        ),
+    ],
+)
+def test_bad_flags_exit_2(argv, message, capsys, monkeypatch):
+    for name in ("PDSERVE_PREFILL", "PDSERVE_DECODE", "PDSERVE_DISAGGREGATION"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as raised:
+        gateway_main(argv)
+    assert raised.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+async def test_process_serves_and_stops_on_sigterm(tokenizer, smollm2_path):
+    log, prefill, decode = answer_workers(tokenizer)
+    async with serving(prefill, decode) as (p, d):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.gateway",
+            "--port=0",
+            f"--prefill={p}",
+            f"--decode={d}",
+            f"--model={smollm2_path}",
+            "--log-level=WARNING",
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+        )
+        try:
+            line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
+            assert line.startswith("READY gateway 127.0.0.1:"), line
+            channel = aio_channel(line.split()[-1])
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            response = await stub.Generate(gateway_pb2.GenerateRequest(prompt="Hi"), timeout=10)
+            await channel.close()
+            assert response.text == ANSWER
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
