@@ -6,7 +6,12 @@ run puts all blocks in one streamed PutBlocks and gets them back in one GetBlock
 the ceiling is an in-process copy of the same bytes. Reports medians of --repeats
 runs and writes bench/out/kv_transfer.json.
 
-    .venv/bin/python bench/kv_transfer.py --repeats 3
+With the real model (the default; --no-model skips it) it also measures, for prompts of
+several lengths, a disaggregated request's time to first token -- prefill on one engine,
+export of the prompt's blocks, PutBlocks -- and the share of it spent on transfer, plus
+what the decode side pays before its first step (GetBlocks and the import into its cache).
+
+    .venv/bin/python bench/kv_transfer.py --repeats 3 --write-results
 """
 
 from __future__ import annotations
@@ -121,6 +126,95 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def measure_ttft(address: str, prompt_lens: list[int], repeats: int, timeout: float) -> list[dict]:
+    """Prefill -> export -> put (the TTFT path), then get -> import (before decode), per length."""
+    import random
+
+    from services.engine.config import EngineArgs
+    from services.engine.engine import LLMEngine
+    from services.engine.prepare_model import resolve_model
+    from services.engine.sampling_params import SamplingParams
+    from services.engine_proto import layout_to_proto
+
+    path = str(resolve_model(None))
+    args = EngineArgs(dtype="float32", max_model_len=4096, kv_cache_memory="1GiB")
+    prefill, decode = LLMEngine(args, path), LLMEngine(args, path)
+    layout = layout_to_proto(prefill.block_layout())
+    rng = random.Random(0)
+    rows = []
+
+    async def run_one(client, n: int, rid: str) -> dict:
+        prompt = [rng.randrange(100, 40000) for _ in range(n)]
+        t0 = time.perf_counter()
+        seq = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), rid)
+        seq.hold_blocks = True
+        while prefill.has_unfinished():
+            prefill.step()
+        t1 = time.perf_counter()
+        blocks = prefill.export_prompt_blocks(rid)
+        t2 = time.perf_counter()
+        await client.put_blocks(
+            layout, [(b.key, b.data, b.num_tokens) for b in blocks], timeout=timeout
+        )
+        t3 = time.perf_counter()
+        fetched, missing = await client.get_blocks(layout, [b.key for b in blocks], timeout=timeout)
+        t4 = time.perf_counter()
+        assert not missing
+        decode.pool.reset_prefix_cache()
+        dseq = decode.add_imported_request(
+            prompt, SamplingParams(max_tokens=1), rid, seq.output_token_ids[0], None, fetched
+        )
+        t5 = time.perf_counter()
+        assert dseq.num_imported_tokens == n
+        nbytes = sum(len(b.data) for b in blocks)
+        copy_s = timed(lambda: [bytes(memoryview(b.data)) for b in blocks])
+        return {
+            "prefill_s": t1 - t0,
+            "export_s": t2 - t1,
+            "put_s": t3 - t2,
+            "get_s": t4 - t3,
+            "import_s": t5 - t4,
+            "bytes": nbytes,
+            "copy_s": copy_s,
+        }
+
+    async def run() -> None:
+        async with KVStoreClient(address) as client:
+            await run_one(client, 64, "warmup")
+            for n in prompt_lens:
+                runs = [await run_one(client, n, f"p{n}-{r}") for r in range(repeats)]
+                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                ttft = med["prefill_s"] + med["export_s"] + med["put_s"]
+                rows.append(
+                    {
+                        "prompt_tokens": n,
+                        **med,
+                        "ttft_s": ttft,
+                        "bytes_per_token": med["bytes"] / n,
+                        "transfer_share_of_ttft": (med["export_s"] + med["put_s"]) / ttft,
+                        "decode_side_s": med["get_s"] + med["import_s"],
+                    }
+                )
+
+    asyncio.run(run())
+    return rows
+
+
+def ttft_table(rows: list[dict]) -> str:
+    lines = [
+        "| prompt tokens | KV bytes | bytes/token | prefill ms | export ms | put ms | TTFT ms | transfer share of TTFT | get + import ms (decode side) | in-process copy ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['bytes'] / 1e6:.1f} MB | {r['bytes_per_token']:,.0f} | "
+            f"{r['prefill_s'] * 1e3:.0f} | {r['export_s'] * 1e3:.1f} | {r['put_s'] * 1e3:.1f} | "
+            f"{r['ttft_s'] * 1e3:.0f} | {r['transfer_share_of_ttft']:.1%} | "
+            f"{r['decode_side_s'] * 1e3:.1f} | {r['copy_s'] * 1e3:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,6 +227,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300.0, help="deadline of each call, s")
     ap.add_argument("--out", default=str(ROOT / "bench/out/kv_transfer.json"))
+    ap.add_argument("--no-model", action="store_true", help="skip the TTFT part (real model)")
+    ap.add_argument(
+        "--prompt-lens", default="128,512,2048", help="prompt lengths for the TTFT part"
+    )
+    ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
     if args.num_blocks < 8 or args.block_bytes < 1 or args.repeats < 1:
         ap.error("--num-blocks must be >= 8, --block-bytes and --repeats >= 1")
@@ -149,6 +248,14 @@ def main() -> int:
         )
     finally:
         kvstore.stop()
+    ttft = []
+    if not args.no_model:  # a fresh store: a kvstore holds one model's layout for life
+        kvstore = start_kvstore(capacity_bytes=2**30)
+        try:
+            lens = [int(x) for x in args.prompt_lens.split(",")]
+            ttft = measure_ttft(kvstore.address, lens, args.repeats, args.timeout)
+        finally:
+            kvstore.stop()
 
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
@@ -167,6 +274,7 @@ def main() -> int:
     }
     for name in ("put", "get", "copy"):
         result[f"{name}_median_mb_s"] = statistics.median(result[f"{name}_mb_s"])
+    result["ttft"] = ttft
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -176,7 +284,27 @@ def main() -> int:
     )
     print(result["machine"])
     print(table(result))
+    if ttft:
+        print(ttft_table(ttft))
     print(f"wrote {args.out}")
+    if args.write_results:
+        from bench.results_md import replace_section
+
+        body = (
+            "## KV transfer through the kvstore (issue 3)\n\n"
+            f"Machine: {result['machine']}. Command: `.venv/bin/python bench/kv_transfer.py "
+            f"--repeats {args.repeats} --write-results` (medians of {args.repeats} runs).\n\n"
+            f"Throughput, {args.num_blocks:,} blocks of {args.block_bytes:,} B (a SmolLM2-135M "
+            "float32 block) through a kvstore process on 127.0.0.1, against an in-process copy "
+            "of the same bytes:\n\n" + table(result) + "\n"
+        )
+        if ttft:
+            body += (
+                "\nA disaggregated request with the real SmolLM2-135M (float32): TTFT = prefill + "
+                "export of the prompt's blocks + PutBlocks; the decode side then pays GetBlocks + "
+                "the import into its cache before its first step:\n\n" + ttft_table(ttft) + "\n"
+            )
+        replace_section(ROOT / "bench/RESULTS.md", "kv-transfer", body)
     return 0
 
 

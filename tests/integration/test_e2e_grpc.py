@@ -44,8 +44,19 @@ def cluster(tiny_llama_path, tmp_path_factory):
             "off",
             *model,
         )
-        # A decode worker with another block size: it must refuse the prefill worker's blocks.
-        odd = c.start("decode-bs32", "services.decode", *model, *ENGINE, "--block-size", "32")
+        # A decode worker with another block size and dtype: it must refuse the prefill
+        # worker's blocks.
+        odd = c.start(
+            "decode-bs32",
+            "services.decode",
+            *model,
+            "--num-kv-blocks",
+            "256",
+            "--block-size",
+            "32",
+            "--dtype",
+            "bfloat16",
+        )
         c.start(
             "gateway-mismatch",
             "services.gateway",
@@ -167,3 +178,4 @@ def test_layout_mismatch_reaches_the_client(cluster):
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "block_size: ours 32, theirs 16" in err.details()
+    assert "dtype: ours bfloat16, theirs float32" in err.details()
