@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from services.engine.sequence import Sequence, TokenLogprobs
 
 
 class Sampler:
-    """Picks one token per row of logits. Each seeded request draws from its own generator,
-    so its tokens do not depend on what else is in the batch."""
+    """Picks one token per row of logits.
+
+    A seeded request's k-th token is drawn from a generator seeded with (seed, k) alone, so
+    its tokens depend neither on the batch nor on which worker samples which step: a request
+    prefilled on one worker and decoded on another draws what one worker would have drawn.
+    """
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -26,7 +32,12 @@ class Sampler:
             for i in sampled_rows:
                 # Generators live on the CPU, so seeded draws are the same on every device.
                 probs = _filtered_probs(logits[i], seqs[i]).cpu()
-                gen = seqs[i].generator or self.generator
+                seed = seqs[i].params.seed
+                gen = (
+                    self.generator
+                    if seed is None
+                    else _step_generator(seed, seqs[i].num_output_tokens)
+                )
                 tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
@@ -36,6 +47,12 @@ class Sampler:
             for row, i in enumerate(want):
                 logprobs[i] = _token_logprobs(lp[row], token_list[i], seqs[i].params.logprobs)
         return token_list, logprobs
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    """A generator for one draw of a seeded request, from its seed and the token's index."""
+    mixed = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(mixed, "little") >> 1)
 
 
 def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -6,8 +6,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from services.engine.block_pool import BlockHash
 from services.engine.sampling_params import SamplingParams
 
@@ -53,7 +51,6 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
-    generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_counter))
     num_preemptions: int = 0
     # Prefill workers keep a finished request's blocks until they are exported.
@@ -64,8 +61,6 @@ class Sequence:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -88,3 +88,23 @@ def test_layouts_compare_field_by_field(engines, tiny_llama_path):
     assert "block_size: ours 16, theirs 8" in msg
     assert "model_fingerprint" in msg
     assert colocated.engine.block_layout().mismatch(colocated.engine.block_layout()) is None
+
+
+def test_seeded_sampling_continues_identically_across_the_split(engines):
+    colocated, prefill, decode = engines
+    prompt = list(range(30, 75))
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=77, ignore_eos=True)
+    (want,) = colocated.generate([prompt], params)
+    eng = prefill.engine
+    seq = eng.add_request(prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), "seeded")
+    seq.hold_blocks = True
+    while eng.has_unfinished():
+        eng.step()
+    blocks = eng.export_prompt_blocks("seeded")
+    out = decode.engine.add_imported_request(
+        prompt, params, "seeded", seq.output_token_ids[0], None, {b.key: b.data for b in blocks}
+    )
+    while decode.engine.has_unfinished():
+        decode.engine.step()
+    assert out.output_token_ids == want.token_ids
+    assert len(set(want.token_ids)) > 5  # really sampled

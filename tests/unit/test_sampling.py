@@ -180,11 +180,15 @@ def test_seeded_sequence_draws_the_same_tokens_alone_or_in_a_batch(others_seeded
     sampler = Sampler(seed=0)
     alone_tokens, batched_tokens = [], []
     for _ in range(20):
-        alone_tokens += sampler(row, [alone])[0]
+        (token,) = sampler(row, [alone])[0]
+        alone.append_token(token)  # as the engine does: the next draw is the next step's
+        alone_tokens.append(token)
         logits = torch.randn(16, 64, generator=gen)
         logits[5] = row[0]
         batch = [*others[:5], batched, *others[5:]]
-        batched_tokens.append(sampler(logits, batch)[0][5])
+        token = sampler(logits, batch)[0][5]
+        batched.append_token(token)
+        batched_tokens.append(token)
     assert batched_tokens == alone_tokens
     assert len(set(alone_tokens)) > 5  # the test is not trivially deterministic
 
