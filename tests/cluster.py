@@ -43,6 +43,8 @@ class Cluster:
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
+            # A gateway's REST API on any free port, so that several gateways can run.
+            "PDSERVE_HTTP_PORT": os.environ.get("PDSERVE_HTTP_PORT", "0"),
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", module, "--port", "0", *args],
@@ -73,6 +75,10 @@ class Cluster:
                     return m.group(2)
         proc.kill()
         raise TimeoutError(f"{name} not ready after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+    def address(self, name: str) -> str:
+        """The address of the started service called ``name``."""
+        return next(s.address for s in self.services if s.name == name)
 
     def stop(self, svc: Service, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         if svc.proc.poll() is None:

@@ -71,10 +71,6 @@ def cluster(tiny_llama_path, tmp_path_factory):
         c.stop_all()
 
 
-def _addr(cluster, name):
-    return next(s.address for s in cluster.services if s.name == name)
-
-
 def _prompts():
     rng = random.Random(5)
     return [
@@ -114,7 +110,7 @@ def expected(tiny_llama_path):
 
 @pytest.mark.parametrize("gateway", ["gateway", "gateway-colocated"])
 def test_16_concurrent_requests_equal_the_engine(cluster, expected, gateway):
-    address = _addr(cluster, gateway)
+    address = cluster.address(gateway)
     prompts = _prompts()
 
     async def run():
@@ -137,14 +133,14 @@ def test_16_concurrent_requests_equal_the_engine(cluster, expected, gateway):
 
 def test_cancel_through_the_gateway_frees_decode_blocks(cluster):
     async def decode_stat():
-        async with aio_channel(_addr(cluster, "decode")) as ch:
+        async with aio_channel(cluster.address("decode")) as ch:
             return await decode_pb2_grpc.DecodeStub(ch).Stat(
                 decode_pb2.DecodeStatRequest(), timeout=10
             )
 
     async def run():
         start = await decode_stat()
-        async with aio_channel(_addr(cluster, "gateway")) as ch:
+        async with aio_channel(cluster.address("gateway")) as ch:
             call = gateway_pb2_grpc.GatewayStub(ch).GenerateStream(
                 _request(list(range(10, 90)), "cancel-1", max_tokens=400), timeout=120
             )
@@ -171,7 +167,7 @@ def test_layout_mismatch_reaches_the_client(cluster):
     async def run():
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await asyncio.wait_for(
-                _unary(_addr(cluster, "gateway-mismatch"), _request([5, 6, 7], "mm-1")), 60
+                _unary(cluster.address("gateway-mismatch"), _request([5, 6, 7], "mm-1")), 60
             )
         return e.value
 

@@ -462,6 +462,7 @@ async def test_worker_errors_keep_their_status(tokenizer):
             ["--decode", "127.0.0.1:1", "--disaggregation", "off", "--decode-timeout", "0"],
             "positive",
         ),
+        (["--decode", "127.0.0.1:1", "--disaggregation", "off", "--http-port", "-2"], "-1"),
     ],
 )
 def test_bad_flags_exit_2(argv, message, capsys, monkeypatch):
@@ -481,6 +482,7 @@ async def test_process_serves_and_stops_on_sigterm(tokenizer, smollm2_path):
             "-m",
             "services.gateway",
             "--port=0",
+            "--http-port=0",
             f"--prefill={p}",
             f"--decode={d}",
             f"--model={smollm2_path}",

@@ -39,10 +39,6 @@ def cluster(tiny_llama_path, tmp_path_factory):
         c.stop_all()
 
 
-def _addr(cluster, name):
-    return next(s.address for s in cluster.services if s.name == name)
-
-
 def _prompts():
     rng = random.Random(11)
     return [
@@ -54,8 +50,8 @@ def _prompts():
 async def _generate(cluster, prompt, rid, disaggregate=True):
     params = common_pb2.SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     async with (
-        aio_channel(_addr(cluster, "prefill")) as pch,
-        aio_channel(_addr(cluster, "decode")) as dch,
+        aio_channel(cluster.address("prefill")) as pch,
+        aio_channel(cluster.address("decode")) as dch,
     ):
         req = decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, params=params)
         tokens, pre = [], None
@@ -76,12 +72,12 @@ async def _generate(cluster, prompt, rid, disaggregate=True):
 
 
 async def _kv_stat(cluster):
-    async with aio_channel(_addr(cluster, "kvstore")) as ch:
+    async with aio_channel(cluster.address("kvstore")) as ch:
         return await kvstore_pb2_grpc.KVStoreStub(ch).Stat(kvstore_pb2.StatRequest(), timeout=10)
 
 
 async def _decode_stat(cluster):
-    async with aio_channel(_addr(cluster, "decode")) as ch:
+    async with aio_channel(cluster.address("decode")) as ch:
         return await decode_pb2_grpc.DecodeStub(ch).Stat(decode_pb2.DecodeStatRequest(), timeout=10)
 
 
@@ -134,7 +130,7 @@ def test_cancel_frees_the_decode_workers_blocks(cluster):
     async def run():
         start = await _decode_stat(cluster)
         params = common_pb2.SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-        async with aio_channel(_addr(cluster, "decode")) as ch:
+        async with aio_channel(cluster.address("decode")) as ch:
             call = decode_pb2_grpc.DecodeStub(ch).Decode(
                 decode_pb2.DecodeRequest(
                     request_id="cancel-me", prompt_token_ids=list(range(5, 60)), params=params
@@ -161,7 +157,7 @@ def test_cancel_frees_the_decode_workers_blocks(cluster):
 
 def test_bad_requests_get_clear_statuses(cluster):
     async def run():
-        async with aio_channel(_addr(cluster, "decode")) as ch:
+        async with aio_channel(cluster.address("decode")) as ch:
             stub = decode_pb2_grpc.DecodeStub(ch)
             bad = common_pb2.SamplingParams(max_tokens=4, temperature=-1)
             with pytest.raises(grpc.aio.AioRpcError) as e1:
