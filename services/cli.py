@@ -131,7 +131,7 @@ _SERVICES = {
     "decode": ("services.decode.server", "run a decode worker (see `pdserve decode --help`)"),
     "gateway": (
         "services.gateway.__main__",
-        "run the gateway's gRPC front (see `pdserve gateway --help`)",
+        "run the gateway: gRPC and OpenAI REST fronts (see `pdserve gateway --help`)",
     ),
 }
 

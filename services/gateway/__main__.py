@@ -15,8 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The gateway's command line."""
     parser = argparse.ArgumentParser(
         prog="python -m services.gateway",
-        description="The pdserve gateway: gRPC Generate/GenerateStream over prefill and decode "
-        "workers.",
+        description="The pdserve gateway: gRPC Generate/GenerateStream and the OpenAI REST API over "
+        "prefill and decode workers.",
     )
     add_gateway_args(parser)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")

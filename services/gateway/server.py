@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
@@ -14,13 +13,12 @@ from typing import Any
 import grpc
 
 from services.common.grpc_utils import start_server
-from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
-from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
+from services.common.pb import gateway_pb2, gateway_pb2_grpc
+from services.gateway.generation import REQUEST_ERRORS, generate
+from services.gateway.orchestrator import Orchestrator
+from services.gateway.requests import InvalidRequest, ModelLimits, prepare
 from services.gateway.router import NoWorkerError
 from services.gateway.settings import GatewaySettings, SettingsError
-from services.gateway.stop import StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prepared = prepare(request, self.tokenizer, self.limits)
             response = gateway_pb2.GenerateResponse(request_id=prepared.request_id)
             texts = []
-            async with aclosing(self._stream(prepared)) as chunks:
+            async with aclosing(generate(self.orchestrator, self.tokenizer, prepared)) as chunks:
                 async for chunk in chunks:
                     response.token_ids.extend(chunk.token_ids)
                     response.logprobs.extend(chunk.logprobs)
@@ -63,55 +61,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # `async with` cancels the decode call at once.
         try:
             prepared = prepare(request, self.tokenizer, self.limits)
-            async with aclosing(self._stream(prepared)) as chunks:
+            async with aclosing(generate(self.orchestrator, self.tokenizer, prepared)) as chunks:
                 async for chunk in chunks:
                     await context.write(chunk)
         except REQUEST_ERRORS as error:
             await context.abort(*status_of(error))
-
-    async def _stream(
-        self, request: PreparedRequest
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Messages with new tokens and text; the last has finish_reason and usage.
-
-        A stop string ends the stream as "stop" and cancels the generation upstream.
-        """
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        stop = StopChecker(list(request.stop))
-        usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))
-        last = None
-        events = self.orchestrator.generate(
-            request.request_id, request.prompt_token_ids, request.params
-        )
-        async with aclosing(events):
-            async for event in events:
-                usage.completion_tokens += len(event.token_ids)
-                usage.cached_prompt_tokens = max(
-                    usage.cached_prompt_tokens, event.num_cached_tokens
-                )
-                text, stopped = stop.feed(detokenizer.add(list(event.token_ids)))
-                if event.finish_reason and not stopped:
-                    tail, stopped = stop.feed(detokenizer.finish())
-                    text += tail if stopped else tail + stop.flush()
-                chunk = gateway_pb2.GenerateResponse(
-                    request_id=request.request_id, token_ids=event.token_ids, text=text
-                )
-                if request.wants_logprobs:
-                    chunk.logprobs.extend(event.logprobs)
-                if stopped or event.finish_reason:
-                    chunk.finish_reason = "stop" if stopped else event.finish_reason
-                    last = chunk
-                    break  # leaving `async with` cancels the decode call if it still runs
-                if chunk.token_ids or chunk.text:
-                    yield chunk
-        if last is None:
-            raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")
-        last.usage.CopyFrom(usage)
-        yield last
-
-
-# What a request can meet on its way; anything else is a bug in the gateway.
-REQUEST_ERRORS = (InvalidRequest, grpc.aio.AioRpcError, NoWorkerError, WorkerProtocolError)
 
 
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -158,7 +112,8 @@ async def serve(
     """Run the gateway until SIGTERM or SIGINT, then drain and stop.
 
     ``options`` are the other GatewaySettings fields (max_model_len, timeouts, ...).
-    Prints ``READY gateway HOST:PORT`` on stdout once it accepts calls.
+    Prints ``READY gateway HOST:PORT`` on stdout once it accepts calls, then
+    ``READY gateway-http HOST:HTTPPORT`` when the REST API is on (it is listening by then).
     """
     settings = GatewaySettings(
         host=host,
@@ -186,22 +141,42 @@ async def serve(
         decode_timeout_s=settings.decode_timeout_s,
     )
     servicer = GatewayServicer(orchestrator, tokenizer, limits)
-    server, bound_port = await start_server(
-        f"{settings.host}:{settings.port}",
-        [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
-        [SERVICE_NAME],
-    )
+    # The HTTP socket first: a taken port then stops the start before anything else runs.
+    http = None
+    if settings.http_port >= 0:
+        from services.gateway.http import HttpServer
+        from services.gateway.openai_api import Served, create_app
+
+        served = Served(orchestrator, tokenizer, limits, settings.served_model_name or path.name)
+        http = await HttpServer.start(
+            create_app(served), settings.host, settings.http_port, settings.drain_timeout_s
+        )
+    try:
+        server, bound_port = await start_server(
+            f"{settings.host}:{settings.port}",
+            [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
+            [SERVICE_NAME],
+        )
+    except BaseException:
+        if http is not None:
+            await http.stop()
+        raise
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     print(f"READY gateway {settings.host}:{bound_port}", flush=True)
+    if http is not None:
+        print(f"READY gateway-http {settings.host}:{http.port}", flush=True)
     try:
         await stopping.wait()
     finally:
         logger.info("draining for up to %.0fs", settings.drain_timeout_s)
         await server.health_servicer.enter_graceful_shutdown()
-        await server.stop(grace=settings.drain_timeout_s)
+        stops = [server.stop(grace=settings.drain_timeout_s)]
+        if http is not None:
+            stops.append(http.stop())
+        await asyncio.gather(*stops)
         await orchestrator.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -19,6 +19,8 @@ class GatewaySettings:
 
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000  # the OpenAI REST API; 0: any free port, -1: off
+    served_model_name: str | None = None  # None: the model directory's name
     prefill_addrs: tuple[str, ...] = field(default_factory=tuple)
     decode_addrs: tuple[str, ...] = field(default_factory=tuple)
     disaggregation: bool = True
@@ -45,6 +47,14 @@ class GatewaySettings:
             _check_address(address)
         _check(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         _check(
+            -1 <= self.http_port <= 65535,
+            f"--http-port must be in [0, 65535], or -1 to turn the REST API off; got {self.http_port}",
+        )
+        _check(
+            self.served_model_name is None or bool(self.served_model_name.strip()),
+            "--served-model-name must not be empty",
+        )
+        _check(
             self.max_model_len is None or self.max_model_len >= 2,
             f"--max-model-len must be at least 2, got {self.max_model_len}",
         )
@@ -66,6 +76,17 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--host", default=env_default("gateway_host", "127.0.0.1"), help="address to listen on")
     add("--port", type=int, default=env_default("gateway_port", "50051"), help="0: any free port")
+    add(
+        "--http-port",
+        type=int,
+        default=env_default("http_port", "8000"),
+        help="port of the OpenAI REST API on the same host; 0: any free port, -1: off",
+    )
+    add(
+        "--served-model-name",
+        default=env_default("served_model_name"),
+        help="the model name the REST API serves and expects (default: the model dir's name)",
+    )
     add(
         "--prefill",
         action="append",
@@ -112,6 +133,8 @@ def settings_from(ns: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(
         host=ns.host,
         port=ns.port,
+        http_port=ns.http_port,
+        served_model_name=ns.served_model_name,
         prefill_addrs=tuple(ns.prefill or _env_list("prefill")),
         decode_addrs=tuple(ns.decode or _env_list("decode")),
         disaggregation=ns.disaggregation == "on",

@@ -1,0 +1,99 @@
+"""A prepared request run to text: the one path from token events to output, for every front.
+
+Both the gRPC servicer and the OpenAI REST handlers read their output from ``generate``:
+messages with new token ids, new text and logprobs, the last with finish_reason and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from services.common.pb import common_pb2, gateway_pb2
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
+from services.gateway.requests import InvalidRequest, PreparedRequest
+from services.gateway.router import NoWorkerError
+from services.gateway.stop import StopChecker
+
+# What a request can meet on its way; anything else is a bug in the gateway.
+REQUEST_ERRORS = (InvalidRequest, grpc.aio.AioRpcError, NoWorkerError, WorkerProtocolError)
+
+
+async def generate(
+    orchestrator: Orchestrator, tokenizer: Any, request: PreparedRequest
+) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Messages with new tokens and text; the last has finish_reason and usage.
+
+    A stop string ends the stream as "stop" and cancels the generation upstream, and so
+    does closing the iterator or cancelling its consumer.
+    """
+    detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+    stop = StopChecker(list(request.stop))
+    usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))
+    last = None
+    events = orchestrator.generate(request.request_id, request.prompt_token_ids, request.params)
+    async with aclosing(events):
+        async for event in events:
+            usage.completion_tokens += len(event.token_ids)
+            usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.num_cached_tokens)
+            text, stopped = stop.feed(detokenizer.add(list(event.token_ids)))
+            if event.finish_reason and not stopped:
+                tail, stopped = stop.feed(detokenizer.finish())
+                text += tail if stopped else tail + stop.flush()
+            chunk = gateway_pb2.GenerateResponse(
+                request_id=request.request_id, token_ids=event.token_ids, text=text
+            )
+            if request.wants_logprobs:
+                chunk.logprobs.extend(event.logprobs)
+            if stopped or event.finish_reason:
+                chunk.finish_reason = "stop" if stopped else event.finish_reason
+                last = chunk
+                break  # leaving `async with` cancels the decode call if it still runs
+            if chunk.token_ids or chunk.text:
+                yield chunk
+    if last is None:
+        raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")
+    last.usage.CopyFrom(usage)
+    yield last
+
+
+async def generate_many(
+    orchestrator: Orchestrator, tokenizer: Any, requests: Sequence[PreparedRequest]
+) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
+    """``generate`` for several requests at once: (index, message) as each arrives.
+
+    The first error ends the whole stream; leaving it early cancels every generation.
+    """
+    queue: asyncio.Queue[tuple[int, gateway_pb2.GenerateResponse | None, Exception | None]]
+    queue = asyncio.Queue()
+
+    async def pump(index: int, request: PreparedRequest) -> None:
+        try:
+            async with aclosing(generate(orchestrator, tokenizer, request)) as chunks:
+                async for chunk in chunks:
+                    await queue.put((index, chunk, None))
+        except Exception as error:  # handed to the consumer, which raises it
+            await queue.put((index, None, error))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        running = len(tasks)
+        while running:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                running -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,64 @@
+"""Uvicorn inside the gateway's own event loop, next to the gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals to the gateway, which stops it on SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """An ASGI app served on a socket bound before start, so a taken port fails at once."""
+
+    def __init__(self, server: _Server, task: asyncio.Task, port: int) -> None:
+        self._server = server
+        self._task = task
+        self.port = port
+
+    @classmethod
+    async def start(cls, app: Any, host: str, port: int, drain_timeout_s: float) -> HttpServer:
+        """Bind ``host:port`` (0: any free port) and serve ``app`` until ``stop``."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            sock.close()
+            raise OSError(f"--http-port {port}: cannot listen on {host}:{port}: {error}") from None
+        sock.listen(2048)
+        config = uvicorn.Config(
+            app,
+            log_config=None,  # the gateway's logging
+            access_log=False,
+            timeout_graceful_shutdown=drain_timeout_s,
+            lifespan="off",
+        )
+        server = _Server(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return cls(server, task, sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        """Stop accepting, give running requests the drain timeout, then close."""
+        self._server.should_exit = True
+        await self._task
