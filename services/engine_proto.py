@@ -19,8 +19,8 @@ DEFAULT_MAX_TOKENS = 256
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams, **override) -> SamplingParams:
-    """proto3 zero values mean "unset": max_tokens 0 -> 256, top_p 0 -> 1, top_k 0 -> off;
-    any other value is checked as given.
+    """proto3 zero values mean "unset": max_tokens 0 -> 256, top_p 0 -> 1, top_k 0 -> off,
+    repetition_penalty 0 -> 1 (off); any other value is checked as given.
 
     Raises ValueError (naming the parameter) for nonsense values."""
     kwargs = dict(
@@ -34,6 +34,9 @@ def sampling_from_proto(p: common_pb2.SamplingParams, **override) -> SamplingPar
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         min_tokens=p.min_tokens,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
     )
     kwargs.update(override)
     return SamplingParams(**kwargs)

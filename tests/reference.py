@@ -23,8 +23,16 @@ class Reference:
         return Reference(self.prompt + self.tokens[:j], self.tokens[j:], self.gaps[j:])
 
 
-def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
-    """Run transformers' ``generate`` (float32, greedy, one prompt at a time, EOS ignored)."""
+def hf_greedy(
+    model_path: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    repetition_penalty: float = 1.0,
+) -> list[Reference]:
+    """Run transformers' ``generate`` (float32, greedy, one prompt at a time, EOS ignored).
+
+    With a repetition penalty, the gaps are those of the penalized scores the argmax saw.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -39,12 +47,14 @@ def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 output_logits=True,
+                output_scores=True,
+                repetition_penalty=repetition_penalty,
                 return_dict_in_generate=True,
                 pad_token_id=0,
             )
         tokens = out.sequences[0, len(prompt) :].tolist()
         gaps = []
-        for step_logits in out.logits:
+        for step_logits in out.logits if repetition_penalty == 1.0 else out.scores:
             top2 = step_logits[0].float().topk(2).values
             gaps.append(float(top2[0] - top2[1]))
         refs.append(Reference(list(prompt), tokens, gaps))

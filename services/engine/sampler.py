@@ -1,4 +1,5 @@
-"""Next-token choice for a batch of rows: greedy, temperature, top-k, top-p, min-p, seeds, logprobs."""
+"""Next-token choice for a batch of rows: penalties, greedy, temperature, top-k, top-p, min-p,
+seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [M, vocab] float32, row i for seqs[i]."""
-        logits = logits.float()
+        """logits: [M, vocab] float32, row i for seqs[i].
+
+        Logprobs are those of the raw logits, before penalties and temperature, as vLLM's.
+        """
+        raw = logits.float()
+        logits = apply_penalties(raw, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
@@ -43,10 +48,54 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
+            lp = torch.log_softmax(raw[want], dim=-1)
             for row, i in enumerate(want):
                 logprobs[i] = _token_logprobs(lp[row], token_list[i], seqs[i].params.logprobs)
         return token_list, logprobs
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """[M, vocab] logits with each row's presence, frequency and repetition penalties applied.
+
+    Rows without penalties are left as they are; with none at all, ``logits`` itself returns.
+    """
+    rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    if not rows:
+        return logits
+    penalized = logits.clone()
+    penalized[rows] = _penalized_rows(logits[rows], [seqs[i] for i in rows])
+    return penalized
+
+
+def _penalized_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: [R, vocab] for seqs, every one with a penalty."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts([s.output_token_ids for s in seqs], vocab).to(device)
+    in_prompt = _token_counts([s.prompt_token_ids for s in seqs], vocab).to(device) > 0
+    # [R, 1] per-row penalties, broadcast over the vocabulary
+    rep, freq, pres = torch.tensor(
+        [
+            [s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+            for s in seqs
+        ],
+        dtype=logits.dtype,
+        device=device,
+    ).split(1, dim=1)
+    seen = in_prompt | (output_counts > 0)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, scaled, logits)
+    return logits - freq * output_counts - pres * (output_counts > 0)
+
+
+def _token_counts(token_ids: list[list[int]], vocab: int) -> torch.Tensor:
+    """[len(token_ids), vocab] int64: how often each row's list holds each token id."""
+    # Offsetting row r's ids by r * vocab makes one bincount count every row.
+    flat = torch.cat(
+        [torch.tensor(ids, dtype=torch.int64) + row * vocab for row, ids in enumerate(token_ids)]
+    )
+    counts = torch.bincount(flat, minlength=len(token_ids) * vocab)
+    return counts.view(len(token_ids), vocab)
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:

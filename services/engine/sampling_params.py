@@ -12,7 +12,9 @@ class SamplingParams:
     """How to pick each next token, and when to stop.
 
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 and min_p 0.0
-    disable theirs. A seed makes sampling reproducible whatever the batch.
+    disable theirs. A seed makes sampling reproducible whatever the batch. Penalties follow
+    vLLM: presence and frequency (0.0: off) count output tokens only; repetition (1.0: off)
+    divides or multiplies the logits of every token seen in the prompt or the output.
     """
 
     max_tokens: int = 16
@@ -25,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
@@ -65,11 +70,30 @@ class SamplingParams:
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2.0 <= value <= 2.0,
+                f"{name} must be in [-2, 2], got {value!r}",
+            )
+        _check(
+            _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+            f"repetition_penalty must be in (0, 2] (1.0 is off), got {self.repetition_penalty!r}",
+        )
 
     @property
     def greedy(self) -> bool:
         """Whether the next token is the argmax."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any presence, frequency or repetition penalty changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _is_int(x: object) -> bool:

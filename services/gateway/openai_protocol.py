@@ -43,6 +43,9 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None  # None: 0.0; SamplingParams checks the range
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension; None: 1.0
     seed: int | None = Field(None, ge=0, lt=2**63 - MAX_N)  # choice i samples with seed + i
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)

@@ -127,6 +127,9 @@ def to_sampling_params(
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         min_tokens=params.min_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty or 1.0,  # 0 is unset
     )
 
 
@@ -141,6 +144,9 @@ def to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
     if params.seed is not None:
         proto.seed = params.seed

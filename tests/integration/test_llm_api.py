@@ -7,6 +7,7 @@ import math
 import pytest
 
 from services.engine import LLM, SamplingParams
+from tests.reference import compare, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,43 @@ def test_stats_count_prefix_hits(llm):
     _all_free(llm)
 
 
+def _num_repeats(tokens: list[int]) -> int:
+    return len(tokens) - len(set(tokens))
+
+
+def test_penalties_make_greedy_repeat_less(llm):
+    prompt = llm.encode("the cat sat on the mat and the cat sat on the")
+    plain, penalized = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+            SamplingParams(
+                max_tokens=40,
+                temperature=0,
+                ignore_eos=True,
+                repetition_penalty=1.5,
+                frequency_penalty=1.0,
+            ),
+        ],
+    )
+    assert len(plain.token_ids) == len(penalized.token_ids) == 40
+    assert _num_repeats(penalized.token_ids) < _num_repeats(plain.token_ids)
+    _all_free(llm)
+
+
+def test_repetition_penalty_matches_transformers(llm, tiny_llama_path):
+    prompt = list(range(30, 50)) + list(range(30, 40))
+    (ref,) = hf_greedy(tiny_llama_path, [prompt], 24, repetition_penalty=1.3)
+    (out,) = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+    )
+    compare(out.token_ids, ref)
+    (plain,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert plain.token_ids != out.token_ids  # the penalty changed the greedy path
+    _all_free(llm)
+
+
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [
@@ -122,6 +160,9 @@ def test_bad_prompts_are_refused_and_nothing_is_queued(llm, prompt, message):
         ({"max_tokens": 0}, "max_tokens must be"),
         ({"logprobs": 50}, "logprobs must be"),
         ({"min_p": 2.0}, "min_p must be"),
+        ({"presence_penalty": 3.0}, "presence_penalty must be in"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty must be in"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
     ],
 )
 def test_nonsense_sampling_params_are_refused(kwargs, message):

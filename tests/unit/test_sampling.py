@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 
-from services.engine.sampler import Sampler
+from services.common.pb import common_pb2
+from services.engine.sampler import Sampler, apply_penalties
 from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.engine.sequence import Sequence
+from services.engine_proto import sampling_from_proto
+from services.gateway.requests import to_proto, to_sampling_params
 
 NAN = float("nan")
 
@@ -47,6 +50,18 @@ NAN = float("nan")
         (dict(stop_token_ids=("a",)), "stop_token_ids"),
         (dict(min_tokens=-1), "min_tokens"),
         (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(presence_penalty=-2.01), "presence_penalty"),
+        (dict(presence_penalty=NAN), "presence_penalty"),
+        (dict(presence_penalty=True), "presence_penalty"),
+        (dict(frequency_penalty=-3.0), "frequency_penalty"),
+        (dict(frequency_penalty=math.inf), "frequency_penalty"),
+        (dict(frequency_penalty="1"), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(repetition_penalty=2.5), "repetition_penalty"),
+        (dict(repetition_penalty=NAN), "repetition_penalty"),
+        (dict(repetition_penalty=False), "repetition_penalty"),
     ],
 )
 def test_sampling_params_reject_nonsense_naming_the_parameter(kwargs, name):
@@ -72,6 +87,10 @@ def test_sampling_params_reject_bool_for_integers(name):
         dict(seed=0),
         dict(seed=2**63 - 1),
         dict(max_tokens=1, min_tokens=1),
+        dict(presence_penalty=-2.0, frequency_penalty=2.0),
+        dict(presence_penalty=2, frequency_penalty=-2),
+        dict(repetition_penalty=0.01),
+        dict(repetition_penalty=2.0),
     ],
 )
 def test_sampling_params_accept_edges(kwargs):
@@ -233,8 +252,106 @@ def test_logprobs_are_of_the_unscaled_logits():
     assert logprobs[0].logprob == pytest.approx(expected[tokens[0]].item(), abs=1e-6)
 
 
+# -- penalties -----------------------------------------------------------------------------
+
+
+def with_outputs(prompt: list[int], outputs: list[int], **params) -> Sequence:
+    s = Sequence("p", prompt, SamplingParams(**params))
+    for t in outputs:
+        s.append_token(t)
+    return s
+
+
+# Token 0 is in the prompt; 1 was generated twice, 2 once (and is in the prompt too).
+ROW = [2.0, 3.0, -1.0, 4.0, -2.0, 0.5]
+PROMPT, OUTPUTS = [0, 2], [1, 2, 1]
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        # Seen in the prompt or the output: positive / 2, negative * 2; unseen untouched.
+        (dict(repetition_penalty=2.0), [1.0, 1.5, -2.0, 4.0, -2.0, 0.5]),
+        (dict(repetition_penalty=0.5), [4.0, 6.0, -0.5, 4.0, -2.0, 0.5]),
+        # Output tokens only: minus penalty * count.
+        (dict(frequency_penalty=0.5), [2.0, 2.0, -1.5, 4.0, -2.0, 0.5]),
+        (dict(frequency_penalty=-1.0), [2.0, 5.0, 0.0, 4.0, -2.0, 0.5]),
+        # Output tokens only: minus penalty once, whatever the count.
+        (dict(presence_penalty=1.5), [2.0, 1.5, -2.5, 4.0, -2.0, 0.5]),
+        # Repetition first, then frequency and presence.
+        (
+            dict(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+            [1.0, 0.25, -2.75, 4.0, -2.0, 0.5],
+        ),
+    ],
+)
+def test_penalties_give_exact_logits(params, expected):
+    s = with_outputs(PROMPT, OUTPUTS, **params)
+    out = apply_penalties(torch.tensor([ROW]), [s])
+    assert out[0].tolist() == expected
+
+
+def test_rows_without_penalties_are_bit_identical():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(7))
+    plain = [with_outputs([3, 4], [5, 5, 6], temperature=0.0) for _ in range(2)]
+    penalized = [
+        with_outputs([3, 4], [5, 5, 6], repetition_penalty=1.3),
+        with_outputs([7], [8, 9], frequency_penalty=0.7, presence_penalty=-0.4),
+    ]
+    seqs = [plain[0], penalized[0], plain[1], penalized[1]]
+    out = apply_penalties(logits, seqs)
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
+    assert not torch.equal(out[1], logits[1])
+    assert not torch.equal(out[3], logits[3])
+    assert apply_penalties(logits, plain + plain) is logits
+
+
+def test_each_row_counts_its_own_tokens():
+    logits = torch.zeros(2, 4) + 1.0
+    seqs = [
+        with_outputs([0], [1, 1], frequency_penalty=1.0),
+        with_outputs([3], [2], frequency_penalty=1.0),
+    ]
+    assert apply_penalties(logits, seqs).tolist() == [[1.0, -1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]]
+
+
+def test_greedy_is_penalized_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 1.0]])
+    s = with_outputs([2], [0], temperature=0.0, frequency_penalty=2.0, logprobs=1)
+    tokens, logprobs = Sampler()(logits, [s])
+    assert tokens == [1]  # 5 - 2 < 4
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert logprobs[0].logprob == pytest.approx(expected[1].item(), abs=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_penalties_on_cuda_logits():
+    s = with_outputs(PROMPT, OUTPUTS, repetition_penalty=2.0, frequency_penalty=0.5)
+    out = apply_penalties(torch.tensor([ROW], device="cuda"), [s])
+    assert out[0].tolist() == [1.0, 0.5, -2.5, 4.0, -2.0, 0.5]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_sampler_draws_from_cuda_logits():
     logits = torch.randn(2, 32, device="cuda")
     tokens, _ = Sampler()(logits, [seq("a"), seq("b", seed=1)])
     assert all(0 <= t < 32 for t in tokens)
+
+
+# -- on the wire ---------------------------------------------------------------------------
+
+
+def test_penalties_travel_from_gateway_to_worker():
+    sent = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25)
+    proto = to_proto(sent)
+    for received in (sampling_from_proto(proto), to_sampling_params(proto, 16)):
+        assert received.presence_penalty == 0.5
+        assert received.frequency_penalty == -1.0
+        assert received.repetition_penalty == 1.25
+
+
+def test_proto3_zero_penalties_mean_off():
+    proto = common_pb2.SamplingParams()
+    for received in (sampling_from_proto(proto), to_sampling_params(proto, 16)):
+        assert not received.has_penalties
+        assert received.repetition_penalty == 1.0
