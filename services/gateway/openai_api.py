@@ -9,10 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +21,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from services.common.pb import common_pb2, gateway_pb2
+from services.gateway.admission import Admission, Overloaded
 from services.gateway.generation import REQUEST_ERRORS, generate_many
+from services.gateway.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+)
 from services.gateway.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,29 +38,41 @@ from services.gateway.openai_protocol import (
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
 
-REQUEST_ID_HEADER = "x-request-id"
+RETRY_AFTER_S = 1  # what an overloaded or workerless gateway asks a client to wait
 
 # -- the app -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Served:
-    """What the REST handlers run on: the orchestrator, tokenizer, limits and model name."""
+    """What the REST handlers run on: the orchestrator, tokenizer, limits and model name,
+    and the front's guards: the API key (None: open), body size and admission bounds."""
 
     orchestrator: Orchestrator
     tokenizer: Any
     limits: ModelLimits
     model_name: str
+    api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 4 << 20
+    admission: Admission = field(default_factory=lambda: Admission(256, 512, 30.0))
 
 
 def create_app(served: Served) -> FastAPI:
     """The FastAPI app of the OpenAI REST API over ``served``."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    # The last added runs first: ids on every answer, then the key, then the body's size.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=served.max_body_bytes)
+    if served.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=served.api_key)
     app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return _error_response(error)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_: Request, error: Overloaded) -> JSONResponse:
+        return _error_response(APIError(429, str(error), "rate_limit_error", code="overloaded"))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -67,6 +84,12 @@ def create_app(served: Served) -> FastAPI:
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
         body = APIError(error.status_code, str(error.detail), kind).body()
         return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, error: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this; the client still gets OpenAI's shape.
+        body = APIError(500, f"internal error in the gateway: {error!r}", "server_error").body()
+        return JSONResponse(body, status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -94,38 +117,20 @@ def create_app(served: Served) -> FastAPI:
         if isinstance(body.prompt, str):
             proto = gateway_pb2.GenerateRequest(prompt=body.prompt)
         else:
-            proto = gateway_pb2.GenerateRequest(
-                prompt_token_ids=gateway_pb2.TokenIds(ids=body.prompt)
-            )
+            try:
+                ids = gateway_pb2.TokenIds(ids=body.prompt)
+            except ValueError:  # past the proto's uint32; prepare names the vocabulary size
+                raise APIError(400, "prompt: a token id is out of range", param="prompt") from None
+            proto = gateway_pb2.GenerateRequest(prompt_token_ids=ids)
         return await _complete(served, body, proto, request, chat=False)
 
     return app
 
 
-class RequestIdMiddleware:
-    """Takes the request id from ``x-request-id`` (or makes one) and echoes it on the response."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        value = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1").strip()
-        request_id = value or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [
-                    *message["headers"],
-                    (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1")),
-                ]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
+def _error_response(error: APIError) -> JSONResponse:
+    """``error`` as JSON; an overloaded or unavailable gateway says when to retry."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 # -- completions -------------------------------------------------------------------------
@@ -153,15 +158,72 @@ async def _complete(
         created=int(time.time()),
         chat=chat,
         return_token_ids=body.return_token_ids,
+        tokenizer=served.tokenizer if _logprobs_asked(body) is not None else None,
     )
-    chunks = generate_many(served.orchestrator, served.tokenizer, requests)
-    if body.stream:
+    admission = served.admission
+    await admission.acquire()  # raises Overloaded: 429
+    try:
+        chunks = generate_many(served.orchestrator, served.tokenizer, requests)
+        if not body.stream:
+            result = await _unless_disconnected(request, reply.whole(chunks, len(requests)))
+            return JSONResponse(result)
+        # The first message before the headers: an unreachable worker is then a 503, not
+        # an error event inside a 200 stream.
+        first = await _unless_disconnected(request, _first(chunks))
+        if not first:
+            return Response(status_code=499)  # the client left; nobody reads this
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            reply.sse(chunks, len(requests), include_usage), media_type="text/event-stream"
-        )
-    result = await _unless_disconnected(request, reply.whole(chunks, len(requests)))
-    return JSONResponse(result)
+        events = reply.sse(_prepend(first, chunks), len(requests), include_usage)
+        response = _HeldStream(events, admission, chunks)
+        admission = None  # the stream releases the slot
+        return response
+    finally:
+        if admission is not None:
+            admission.release()
+
+
+async def _first(
+    chunks: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
+) -> tuple[int, gateway_pb2.GenerateResponse]:
+    """The first message of ``chunks``; closes them and raises the APIError if it fails."""
+    try:
+        return await anext(chunks)
+    except REQUEST_ERRORS as error:
+        await chunks.aclose()
+        raise api_error_of(error) from None
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+
+async def _prepend(
+    first: tuple[int, gateway_pb2.GenerateResponse],
+    chunks: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
+) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
+    async with aclosing(chunks):
+        yield first
+        async for item in chunks:
+            yield item
+
+
+class _HeldStream(StreamingResponse):
+    """An SSE stream that, however it ends, stops its generations and frees its slot."""
+
+    def __init__(
+        self, events: AsyncIterator[str], admission: Admission, chunks: AsyncGenerator
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._admission = admission
+        self._chunks = chunks
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._chunks.aclose()  # a stream never iterated still runs them
+            finally:
+                self._admission.release()
 
 
 def _prepare_choices(
@@ -182,11 +244,17 @@ def _prepare_choices(
                 top_k=body.top_k or 0,
                 top_p=body.top_p or 0,
                 min_p=body.min_p or 0,
+                presence_penalty=body.presence_penalty or 0,
+                frequency_penalty=body.frequency_penalty or 0,
+                repetition_penalty=body.repetition_penalty or 0,  # 0: unset -> 1.0 (off)
                 ignore_eos=body.ignore_eos,
             )
         )
         if body.seed is not None:
             proto.params.seed = body.seed
+        top_n = _logprobs_asked(body)
+        if top_n is not None:
+            proto.params.logprobs = top_n
         proto.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
     except ValueError as error:  # a value outside the proto's range
         raise APIError(400, f"a parameter is out of range: {error}") from None
@@ -203,6 +271,13 @@ def _prepare_choices(
             params.seed = body.seed + i
         choices.append(replace(first, request_id=f"{request_id}-{i}", params=params))
     return choices
+
+
+def _logprobs_asked(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """Top-n logprobs per token the client asked for, or None for no logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 def _param_of(message: str, body: BaseModel) -> str | None:
@@ -241,12 +316,59 @@ class _Reply:
     created: int
     chat: bool
     return_token_ids: bool
+    tokenizer: Any = None  # set when logprobs were asked for
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def logprobs(
+        self, lps: list[common_pb2.TokenLogprob], offset: int = 0
+    ) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of a choice (chat or completions form), or None."""
+        if self.tokenizer is None:
+            return None
+        if self.chat:
+            content = []
+            for lp in lps:
+                token = self._token(lp.token_id)
+                top = sorted(lp.top.items(), key=lambda kv: -kv[1])
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": lp.logprob,
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (t := self._token(i)),
+                                "logprob": v,
+                                "bytes": list(t.encode()),
+                            }
+                            for i, v in top
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [
+                {self._token(i): v for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
+                for lp in lps
+            ],
+            "text_offset": offsets,
+        }
 
     async def whole(
         self, chunks: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]], n: int
     ) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in range(n)]
         token_ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[common_pb2.TokenLogprob]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         usages: list[common_pb2.Usage] = []
         try:
@@ -254,6 +376,7 @@ class _Reply:
                 async for index, chunk in chunks:
                     texts[index].append(chunk.text)
                     token_ids[index].extend(chunk.token_ids)
+                    lps[index].extend(chunk.logprobs)
                     if chunk.finish_reason:
                         finish[index] = _finish_reason(chunk.finish_reason)
                         usages.append(chunk.usage)
@@ -261,7 +384,11 @@ class _Reply:
             raise api_error_of(error) from None
         choices = []
         for i in range(n):
-            choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish[i]}
+            choice: dict[str, Any] = {
+                "index": i,
+                "logprobs": self.logprobs(lps[i]),
+                "finish_reason": finish[i],
+            }
             text = "".join(texts[i])
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -288,11 +415,12 @@ class _Reply:
                     finish = _finish_reason(chunk.finish_reason) if chunk.finish_reason else None
                     if finish:
                         usages.append(chunk.usage)
-                    elif not chunk.text and not self.return_token_ids:
+                    elif not chunk.text and not self.return_token_ids and not chunk.logprobs:
                         continue  # tokens that complete no character yet
                     body = self._chunk(
                         index, {"content": chunk.text} if self.chat else chunk.text, finish
                     )
+                    body["choices"][0]["logprobs"] = self.logprobs(list(chunk.logprobs))
                     if self.return_token_ids:
                         body["choices"][0]["token_ids"] = list(chunk.token_ids)
                     yield _event(body)

@@ -81,12 +81,15 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(_Sampling):
     """The body of POST /v1/completions."""
 
     prompt: str | list[Annotated[int, Field(ge=0)]]
+    logprobs: int | None = Field(None, ge=0, le=5)  # top-n per token, as OpenAI allows
 
 
 # -- errors ------------------------------------------------------------------------------

@@ -144,10 +144,23 @@ async def serve(
     # The HTTP socket first: a taken port then stops the start before anything else runs.
     http = None
     if settings.http_port >= 0:
+        from services.gateway.admission import Admission
         from services.gateway.http import HttpServer
         from services.gateway.openai_api import Served, create_app
 
-        served = Served(orchestrator, tokenizer, limits, settings.served_model_name or path.name)
+        served = Served(
+            orchestrator,
+            tokenizer,
+            limits,
+            settings.served_model_name or path.name,
+            api_key=settings.api_key,
+            max_body_bytes=settings.max_body_bytes,
+            admission=Admission(
+                settings.max_concurrent_requests,
+                settings.max_queued_requests,
+                settings.queue_timeout_s,
+            ),
+        )
         http = await HttpServer.start(
             create_app(served), settings.host, settings.http_port, settings.drain_timeout_s
         )

@@ -30,6 +30,11 @@ class GatewaySettings:
     prefill_timeout_s: float = 60.0
     decode_timeout_s: float = 600.0
     drain_timeout_s: float = 10.0
+    api_key: str | None = field(default=None, repr=False)  # None: the REST API is open
+    max_body_bytes: int = 4 << 20
+    max_concurrent_requests: int = 256  # REST requests generating at once
+    max_queued_requests: int = 512  # REST requests waiting for one of those slots
+    queue_timeout_s: float = 30.0  # longest wait for a slot before a 429
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_addrs", tuple(self.prefill_addrs))
@@ -62,7 +67,24 @@ class GatewaySettings:
             self.max_tokens_default >= 1,
             f"--max-tokens-default must be at least 1, got {self.max_tokens_default}",
         )
+        _check(
+            self.api_key is None or bool(self.api_key.strip()),
+            "--api-key must not be empty (leave it unset for an open REST API)",
+        )
+        _check(
+            self.max_body_bytes >= 1024,
+            f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}",
+        )
+        _check(
+            self.max_concurrent_requests >= 1,
+            f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}",
+        )
+        _check(
+            self.max_queued_requests >= 0,
+            f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}",
+        )
         for flag, value in (
+            ("--queue-timeout", self.queue_timeout_s),
             ("--prefill-timeout", self.prefill_timeout_s),
             ("--decode-timeout", self.decode_timeout_s),
             ("--drain-timeout", self.drain_timeout_s),
@@ -126,6 +148,35 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         default=env_default("drain_timeout", "10"),
         help="seconds running requests get to finish on SIGTERM",
     )
+    add(
+        "--api-key",
+        default=env_default("api_key"),
+        help="require 'Authorization: Bearer KEY' on the REST API's /v1 routes (default: open)",
+    )
+    add(
+        "--max-body-bytes",
+        type=int,
+        default=env_default("max_body_bytes", str(4 << 20)),
+        help="largest REST request body; a larger one gets 413",
+    )
+    add(
+        "--max-concurrent-requests",
+        type=int,
+        default=env_default("max_concurrent_requests", "256"),
+        help="REST requests generating at once; more wait in the queue",
+    )
+    add(
+        "--max-queued-requests",
+        type=int,
+        default=env_default("max_queued_requests", "512"),
+        help="REST requests waiting for a slot; past that, 429 with Retry-After",
+    )
+    add(
+        "--queue-timeout",
+        type=float,
+        default=env_default("queue_timeout", "30"),
+        help="seconds a queued REST request waits for a slot before a 429",
+    )
 
 
 def settings_from(ns: argparse.Namespace) -> GatewaySettings:
@@ -144,6 +195,11 @@ def settings_from(ns: argparse.Namespace) -> GatewaySettings:
         prefill_timeout_s=ns.prefill_timeout,
         decode_timeout_s=ns.decode_timeout,
         drain_timeout_s=ns.drain_timeout,
+        api_key=ns.api_key,
+        max_body_bytes=ns.max_body_bytes,
+        max_concurrent_requests=ns.max_concurrent_requests,
+        max_queued_requests=ns.max_queued_requests,
+        queue_timeout_s=ns.queue_timeout,
     )
 
 

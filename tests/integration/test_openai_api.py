@@ -16,8 +16,10 @@ import pytest
 from services.common.grpc_utils import aio_channel
 from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.engine import LLM, SamplingParams
+from services.gateway.admission import Admission
 from services.gateway.http import HttpServer
 from services.gateway.openai_api import Served, create_app
+from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import ModelLimits
 from tests.cluster import Cluster
 from tests.integration.test_gateway_orchestration import FakeDecode, orchestrating, serving
@@ -128,6 +130,57 @@ def test_greedy_completion_equals_the_engine(client, chat_model, cluster):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert cluster.unhandled_errors() == []
+
+
+def test_logprobs_equal_the_engines(client, chat_model):
+    llm = LLM(model=str(chat_model), dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    (want,) = llm.generate([PROMPT_IDS], params)
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT_IDS,
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    assert lp.tokens == [llm.tokenizer.decode([t]) for t in want.token_ids]
+    assert all(
+        len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-4)
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "the quick"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy
+    streamed = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "the quick"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    got = [
+        e.logprob
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert got == pytest.approx([e.logprob for e in content], abs=1e-6)
 
 
 def test_chat_streaming_and_not(client):
@@ -283,14 +336,16 @@ def test_disconnect_mid_stream_cancels_the_generation(cluster, http):
 
 
 @asynccontextmanager
-async def rest_over_fake_decode(tiny_llama_path):
-    """The REST app in this process over a fake decode worker that streams until cancelled."""
+async def rest_over_fake_decode(tiny_llama_path, **guards):
+    """The REST app in this process over a fake decode worker that streams until cancelled;
+    ``guards`` are Served's api_key, max_body_bytes and admission."""
     from transformers import AutoTokenizer
 
     decode = FakeDecode([], [[5]] * 1000, delay_s=0.02)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
     async with serving(decode) as (d,), orchestrating([], [d], disaggregation=False) as orch:
-        served = Served(orch, tokenizer, ModelLimits(MAX_MODEL_LEN, 512), MODEL_NAME)
+        limits = ModelLimits(MAX_MODEL_LEN, 512)
+        served = Served(orch, tokenizer, limits, MODEL_NAME, **guards)
         http = await HttpServer.start(create_app(served), "127.0.0.1", 0, drain_timeout_s=1)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}") as client:
@@ -320,3 +375,138 @@ async def test_disconnect_while_waiting_for_a_whole_reply_cancels_the_decode_cal
         await asyncio.sleep(0.5)
         request.cancel()  # closes the connection
         await asyncio.wait_for(decode.cancelled.wait(), 5)
+
+
+# -- guards: overload, unavailable workers, body size, API key ------------------------------
+
+
+async def test_overload_gets_429_with_retry_after(tiny_llama_path):
+    admission = Admission(max_running=1, max_waiting=1, wait_timeout_s=0.5)
+    async with rest_over_fake_decode(tiny_llama_path, admission=admission) as (client, _):
+        body = {**BODY, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            waiting = asyncio.create_task(client.post("/v1/completions", json=BODY))
+            await asyncio.sleep(0.1)
+            refused = await client.post("/v1/completions", json=BODY)  # the queue is full
+            timed_out = await asyncio.wait_for(waiting, 5)  # waited past its deadline
+        for response in (refused, timed_out):
+            _error(response, 429)
+            assert response.headers["retry-after"] == "1"
+        assert "busy" in refused.json()["error"]["message"]
+        assert await _stream_starts(client)
+    assert admission.num_running == 0 and admission.num_waiting == 0
+
+
+async def _stream_starts(client) -> bool:
+    """Whether a streamed completion starts (the fake worker never ends it)."""
+    async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
+        return r.status_code == 200 and (await anext(r.aiter_lines())).startswith("data: {")
+
+
+async def test_no_reachable_decode_worker_gets_503_with_retry_after(tiny_llama_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    orch = Orchestrator((), ("127.0.0.1:1",), False, prefill_timeout_s=5, decode_timeout_s=5)
+    served = Served(orch, tokenizer, ModelLimits(MAX_MODEL_LEN, 512), MODEL_NAME)
+    http = await HttpServer.start(create_app(served), "127.0.0.1", 0, drain_timeout_s=1)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=20) as c:
+            for stream in (False, True):
+                response = await c.post("/v1/completions", json={**BODY, "stream": stream})
+                _error(response, 503)
+                assert response.headers["retry-after"] == "1"
+        assert served.admission.num_running == 0
+    finally:
+        await http.stop()
+        await orch.close()
+
+
+async def test_a_body_over_the_limit_gets_413(tiny_llama_path):
+    async with rest_over_fake_decode(tiny_llama_path, max_body_bytes=2048) as (client, _):
+        big = {**BODY, "prompt": "a" * 4096}
+        assert _error(await client.post("/v1/completions", json=big), 413)["message"]
+
+        async def chunked():  # no Content-Length: the limit holds while reading
+            for _ in range(8):
+                yield b" " * 512
+
+        response = await client.post(
+            "/v1/completions", content=chunked(), headers={"content-type": "application/json"}
+        )
+        assert "content-length" not in response.request.headers
+        _error(response, 413)
+        assert await _stream_starts(client)
+
+
+async def test_api_key_guards_the_v1_routes(tiny_llama_path):
+    async with rest_over_fake_decode(tiny_llama_path, api_key="sekret") as (client, _):
+        base = str(client.base_url)
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+                response = await client.request(method, path, json=BODY, headers=headers)
+                assert _error(response, 401)["code"] == "invalid_api_key"
+        assert (await client.get("/health")).status_code == 200
+        good = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sekret", timeout=20)
+        # The fake worker streams until cancelled: read one chunk, then close.
+        stream = await good.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, stream=True)
+        async with stream:
+            assert (await anext(aiter(stream))).choices[0].text is not None
+        bad = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", timeout=20, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+
+
+async def _take_events(lines, count):
+    async for line in lines:
+        if line:
+            yield line
+            count -= 1
+            if not count:
+                return
+
+
+def test_20_clients_dropping_mid_stream_free_every_decode_block(cluster):
+    async def decode_stat():
+        async with aio_channel(_addr(cluster, "decode")) as ch:
+            return await decode_pb2_grpc.DecodeStub(ch).Stat(
+                decode_pb2.DecodeStatRequest(), timeout=10
+            )
+
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT_IDS,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def drop_after_a_few_chunks(client):
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = [line async for line in _take_events(response.aiter_lines(), 3)]
+            assert all(line.startswith("data: {") for line in events)
+        # Leaving the block closes the connection mid-stream.
+
+    async def run():
+        start = await decode_stat()
+        limits = httpx.Limits(max_connections=20)
+        base = f"http://{cluster.http_address}"
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+            await asyncio.wait_for(
+                asyncio.gather(*(drop_after_a_few_chunks(client) for _ in range(20))), 120
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            now = await decode_stat()
+            settled = now.num_running == 0 and now.num_free_blocks == start.num_free_blocks
+            if settled or time.monotonic() > deadline:
+                return start, now
+            await asyncio.sleep(0.1)
+
+    start, now = asyncio.run(run())
+    assert now.num_running == 0
+    assert now.num_free_blocks == start.num_free_blocks
+    assert cluster.unhandled_errors() == []

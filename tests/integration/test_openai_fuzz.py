@@ -1,0 +1,91 @@
+"""Fuzz the OpenAI REST API from its own OpenAPI schema (schemathesis) against a real
+gateway over a decode worker: no 5xx, every answer in time, every error in OpenAI's shape.
+
+Run it alone with `make test ARGS="-k fuzz"`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from tests.cluster import Cluster
+from tests.integration.test_openai_api import ENGINE, MODEL_NAME, _http_ready_line
+
+MAX_MODEL_LEN = 48  # bounds every generation, whatever max_tokens the fuzzer picks
+EXAMPLES_PER_OPERATION = 40
+RESPONSE_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def fuzz_gateway(tiny_llama_path, tmp_path_factory):
+    chat_model = tmp_path_factory.mktemp("fuzz") / "m"
+    shutil.copytree(tiny_llama_path, chat_model)
+    (chat_model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    )
+    c = Cluster(tmp_path_factory.mktemp("fuzz-logs"))
+    model = ["--model", str(chat_model)]
+    try:
+        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        gw = c.start(
+            "gateway",
+            "services.gateway",
+            "--decode",
+            dec.address,
+            "--disaggregation",
+            "off",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--served-model-name",
+            MODEL_NAME,
+            *model,
+        )
+        c.http_address = _http_ready_line(gw)
+        yield c
+    finally:
+        c.stop_all()
+
+
+def _assert_openai_error(response) -> None:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, response.text
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+
+
+def test_fuzz_post_routes_from_the_openapi_schema(fuzz_gateway):
+    base = f"http://{fuzz_gateway.http_address}"
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    operations = [r.ok() for r in schema.include(method="POST").get_all_operations()]
+    assert {op.path for op in operations} == {"/v1/chat/completions", "/v1/completions"}
+
+    for operation in operations:
+
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            derandomize=True,  # the same examples every run
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=operation.as_strategy())
+        def check(case):
+            if isinstance(case.body, dict) and "model" in case.body:
+                case.body["model"] = MODEL_NAME  # reach generation, not only the 404
+            started = time.monotonic()
+            response = case.call(base_url=base, timeout=RESPONSE_TIMEOUT_S)
+            assert time.monotonic() - started < RESPONSE_TIMEOUT_S
+            assert response.status_code < 500, (case.body, response.text)
+            if response.status_code >= 300:
+                _assert_openai_error(response)
+
+        check()
+
+    with httpx.Client(base_url=base, timeout=10) as http:
+        assert http.get("/health").status_code == 200
+    assert fuzz_gateway.unhandled_errors() == []
