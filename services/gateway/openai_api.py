@@ -95,6 +95,20 @@ def create_app(served: Served) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text: the gateway's admission state (later issues add latencies)."""
+        a = served.admission
+        lines = [
+            "# HELP pdserve:num_requests_running Generations running through this gateway.",
+            "# TYPE pdserve:num_requests_running gauge",
+            f'pdserve:num_requests_running{{model_name="{served.model_name}"}} {a.num_running}',
+            "# HELP pdserve:num_requests_waiting Requests queued for a generation slot.",
+            "# TYPE pdserve:num_requests_waiting gauge",
+            f'pdserve:num_requests_waiting{{model_name="{served.model_name}"}} {a.num_waiting}',
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {

@@ -91,6 +91,13 @@ def _addr(cluster, name):
     return next(s.address for s in cluster.services if s.name == name)
 
 
+def test_metrics_are_prometheus_text(http):
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'pdserve:num_requests_running{model_name="tiny"} 0' in r.text
+    assert "# TYPE pdserve:num_requests_waiting gauge" in r.text
+
+
 def test_models_and_health(client, http):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert http.get("/health").status_code == 200
