@@ -23,6 +23,8 @@ _KEEPALIVE = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVER_OPTIONS = [
+    # Without this, a second server on a taken port starts silently and shares it.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -56,9 +58,10 @@ async def start_server(
         ],
         server,
     )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:  # grpcio raises this when the address is taken or invalid
+        raise OSError(f"cannot bind {address}: is the port in use?") from e
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -140,16 +140,11 @@ async def serve(
     ``on_ready`` gets the bound address once the server accepts calls.
     """
     servicer = KVStoreServicer(BlockStore(capacity_bytes))
-    try:
-        server, bound_port = await start_server(
-            host_port(host, port),
-            [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
-            [SERVICE_NAME],
-        )
-    except RuntimeError as e:  # grpcio reports a failed bind as RuntimeError
-        raise OSError(
-            f"cannot listen on {host_port(host, port)} (port in use or host not local?): {e}"
-        ) from None
+    server, bound_port = await start_server(  # OSError when it cannot bind
+        host_port(host, port),
+        [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+    )
     address = host_port(host, bound_port)
     logger.info("kvstore serving on %s, capacity %d bytes", address, capacity_bytes)
 

@@ -69,7 +69,10 @@ def cluster(chat_model, tmp_path_factory):
 
 
 def _http_ready_line(gateway) -> str:
-    """The REST address from the gateway's second READY line (Cluster reads only the first)."""
+    """The REST address from the gateway's second READY line (Cluster reads only the first).
+
+    The gateway prints it right after the first; if it died instead, readline gets EOF.
+    (No select() here: the line may already sit in the pipe reader's buffer.)"""
     line = gateway.proc.stdout.readline().strip()
     match = re.fullmatch(r"READY gateway-http (\S+)", line)
     assert match, f"expected the HTTP READY line, got {line!r}"
