@@ -12,6 +12,7 @@ from typing import Any
 
 from services.common.pb import common_pb2, gateway_pb2
 from services.engine.sampling_params import SamplingParams
+from services.engine_proto import sampling_from_proto
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -116,21 +117,7 @@ def to_sampling_params(
 
     Raises ValueError (with SamplingParams' message) for a bad value.
     """
-    return SamplingParams(
-        max_tokens=params.max_tokens or max_tokens_default,
-        temperature=params.temperature,  # 0 is greedy
-        top_k=params.top_k or -1,
-        top_p=params.top_p or 1.0,
-        min_p=params.min_p,
-        seed=params.seed if params.HasField("seed") else None,
-        stop_token_ids=tuple(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs if params.HasField("logprobs") else None,
-        min_tokens=params.min_tokens,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty or 1.0,  # 0 is unset
-    )
+    return sampling_from_proto(params, max_tokens=params.max_tokens or max_tokens_default)
 
 
 def to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
