@@ -133,6 +133,10 @@ _SERVICES = {
         "services.gateway.__main__",
         "run the gateway: gRPC and OpenAI REST fronts (see `pdserve gateway --help`)",
     ),
+    "bench": (
+        "bench.cli",
+        "benchmark any OpenAI-compatible server: serve, sweep, plot (see `pdserve bench --help`)",
+    ),
 }
 
 

@@ -27,6 +27,12 @@ from services.engine_proto import (
     run_until_signal,
     sampling_from_proto,
 )
+from services.worker_runtime import (
+    RequestCounter,
+    add_worker_args,
+    engine_publisher,
+    serve_until_stopped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.fetch_timeout_s = fetch_timeout_s
         self._kvstores: dict[str, KVStoreClient] = {}
         self._client_cls = KVStoreClient
+        self.requests = RequestCounter()
 
     def _kvstore(self, address: str):
         if address not in self._kvstores:
@@ -53,15 +60,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not keys or not request.kvstore_address:
             return {}
         num_local = await self.engine.call(lambda e: e.local_prefix_hashes(keys))
-        wanted = keys[num_local:]
-        if not wanted:
-            return {}
-        blocks, _missing = await self._kvstore(request.kvstore_address).get_blocks(
-            self.layout_proto, wanted, timeout=self.fetch_timeout_s
+        addresses = list(request.block_kvstore_addresses) or [request.kvstore_address] * len(keys)
+        if len(addresses) != len(keys):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block_kvstore_addresses has {len(addresses)} entries for {len(keys)} blocks",
+            )
+        by_address: dict[str, list[bytes]] = {}
+        for key, address in zip(keys[num_local:], addresses[num_local:], strict=True):
+            by_address.setdefault(address, []).append(key)
+        # A replica that is gone or lacks a block costs a recompute here, not the request.
+        results = await asyncio.gather(
+            *(
+                self._kvstore(address).get_blocks(
+                    self.layout_proto, wanted, timeout=self.fetch_timeout_s
+                )
+                for address, wanted in by_address.items()
+            ),
+            return_exceptions=True,
         )
+        blocks: dict[bytes, bytes] = {}
+        for address, result in zip(by_address, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                logger.warning("kvstore %s: %s; recomputing its blocks", address, result.code())
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            blocks.update(result[0])
         return blocks
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        self.requests.total += 1
         try:
             params = sampling_from_proto(request.params)
         except ValueError as e:
@@ -131,10 +163,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         [lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s)],
         ["pdserve.v1.Decode"],
     )
-    print(f"READY decode {args.host}:{port}", flush=True)
-    await stop.wait()
-    await server.stop(grace=5)
-    engine.shutdown()
+    publisher = engine_publisher(args, "decode", args.host, port, engine, servicer.requests)
+    try:
+        await serve_until_stopped(
+            "decode", f"{args.host}:{port}", server, publisher, stop, args.drain_timeout
+        )
+    finally:
+        engine.shutdown()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a decode worker (it also prefills prompts sent without a first token).",
     )
     add_server_args(p, 50081)
+    add_worker_args(p)
     add_engine_args(p)
     return p
 

@@ -5,27 +5,10 @@ No torch here: block ids are plain ints; the model runner owns the tensors.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import NewType
+from collections.abc import Iterable
 
-BlockHash = NewType("BlockHash", bytes)
-"""Content hash of a full block, chained from its parent: stable across processes."""
-
-_ROOT = b"\x00" * 16
-
-
-def hash_block(
-    parent: BlockHash | None, token_ids: Sequence[int], model_fingerprint: bytes
-) -> BlockHash:
-    """``blake2b(parent_hash, token_ids, model_fingerprint)``: never Python's ``hash()``."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or _ROOT)
-    h.update(model_fingerprint)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    return BlockHash(h.digest())
+from services.common.block_hash import BlockHash
 
 
 class BlockPool:
@@ -45,7 +28,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
-        # Hashes stored and evicted since the last drain_events() (for a prefix index).
+        # Hashes stored and evicted since the last drain_events(), for a prefix index;
+        # An engine turns recording off until someone reads them (a worker that
+        # publishes to a registry), so that unread events do not pile up.
+        self.record_events = True
         self.stored_events: list[BlockHash] = []
         self.evicted_events: list[BlockHash] = []
 
@@ -103,7 +89,8 @@ class BlockPool:
             return
         self.block_hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
-        self.stored_events.append(block_hash)
+        if self.record_events:
+            self.stored_events.append(block_hash)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
@@ -111,15 +98,21 @@ class BlockPool:
             self.block_hashes[block_id] = None
             del self._cached[block_hash]
             self.num_evictions += 1
-            self.evicted_events.append(block_hash)
+            if self.record_events:
+                self.evicted_events.append(block_hash)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash of free blocks (used blocks keep theirs)."""
         for block_id in list(self._free):
             self._evict(block_id)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now."""
+        return list(self._cached)
+
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """Stored and evicted hashes since the last call."""
+        """Stored and evicted hashes since the last call (turns recording on)."""
+        self.record_events = True
         stored, evicted = self.stored_events, self.evicted_events
         self.stored_events, self.evicted_events = [], []
         return stored, evicted

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from services.common.block_hash import model_fingerprint
+from services.common.env import env_default  # noqa: F401 (re-exported)
 from services.common.sizes import parse_size
 
 SUPPORTED_ARCHITECTURES = {
@@ -194,25 +194,3 @@ def _eos_ids(path: Path, raw: dict) -> frozenset[int]:
         elif isinstance(eos, list):
             ids.update(e for e in eos if isinstance(e, int))
     return frozenset(ids)
-
-
-def model_fingerprint(path: Path) -> bytes:
-    """A cheap, stable identity of a checkpoint: its config and samples of its weight files.
-
-    Two processes serving the same files agree on it, so block hashes cross processes.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + size.to_bytes(8, "little"))
-        with open(f, "rb") as fh:
-            for k in range(16):
-                fh.seek(size * k // 16)
-                h.update(fh.read(65536))
-    return h.digest()
-
-
-def env_default(name: str, default: str | None = None) -> str | None:
-    """``PDSERVE_<NAME>`` from the environment, else the default."""
-    return os.environ.get(f"PDSERVE_{name.upper()}", default)

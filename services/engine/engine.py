@@ -57,6 +57,7 @@ class LLMEngine:
             args, cfg, self.dtype, self.device, self.max_model_len, num_blocks
         )
         self.pool = BlockPool(num_blocks)
+        self.pool.record_events = False  # on at the first drain_block_events()
         self.kv_cache = KVCacheManager(
             pool=self.pool,
             block_size=args.block_size,
@@ -206,6 +207,14 @@ class LLMEngine:
         seq = self._held.pop(request_id, None)
         if seq is not None:
             self.kv_cache.free(seq)
+
+    def drain_block_events(self, full: bool) -> tuple[list[bytes], list[bytes]]:
+        """Hashes the prefix cache stored and evicted since the last call, for a prefix index;
+        with ``full``, every hash it holds now (and no evictions): a fresh start."""
+        stored, evicted = self.pool.drain_events()
+        if full:
+            return self.pool.cached_hashes(), []
+        return stored, evicted
 
     def local_prefix_hashes(self, hashes: list[bytes]) -> int:
         """How many leading full-block hashes this engine's prefix cache holds."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.engine.block_pool import BlockHash, BlockPool, hash_block
+from services.common.block_hash import BlockHash, hash_block
+from services.engine.block_pool import BlockPool
 from services.engine.sequence import Sequence
 
 

@@ -107,6 +107,7 @@ def create_app(served: Served) -> FastAPI:
             "# TYPE pdserve:num_requests_waiting gauge",
             f'pdserve:num_requests_waiting{{model_name="{served.model_name}"}} {a.num_waiting}',
         ]
+        lines += routing_metrics(served.orchestrator, served.model_name)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -480,3 +481,31 @@ def _usage(usages: list[common_pb2.Usage]) -> dict[str, Any]:
 
 def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def routing_metrics(orchestrator: Orchestrator, model_name: str) -> list[str]:
+    """Prometheus lines: where prompts were prefilled, requests per worker, retries, pools."""
+    c, m = orchestrator.counters, f'model_name="{model_name}"'
+    lines = [
+        "# HELP pdserve:prefill_requests_total Prompts prefilled, by where: remote (the "
+        "prefill pool) or local (the decode worker, colocated or conditional).",
+        "# TYPE pdserve:prefill_requests_total counter",
+        f'pdserve:prefill_requests_total{{{m},where="remote"}} {c["prefill_remote"]}',
+        f'pdserve:prefill_requests_total{{{m},where="local"}} {c["prefill_local"]}',
+        "# HELP pdserve:worker_retries_total Calls retried on another worker after one was "
+        "unreachable.",
+        "# TYPE pdserve:worker_retries_total counter",
+        f"pdserve:worker_retries_total{{{m}}} {c['retries']}",
+        "# HELP pdserve:routed_requests_total Requests the router sent to each worker.",
+        "# TYPE pdserve:routed_requests_total counter",
+    ]
+    router = orchestrator.router
+    for (role, worker_id), n in sorted(router.routed.items()):
+        lines.append(f'pdserve:routed_requests_total{{{m},pool="{role}",worker="{worker_id}"}} {n}')
+    lines += [
+        "# HELP pdserve:pool_workers Live workers the gateway routes to, by pool.",
+        "# TYPE pdserve:pool_workers gauge",
+    ]
+    for role in ("prefill", "decode", "kvstore"):
+        lines.append(f'pdserve:pool_workers{{{m},pool="{role}"}} {len(router.pools.workers(role))}')
+    return lines

@@ -13,7 +13,9 @@ the KV transfer, so the repeat is dropped here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -26,7 +28,7 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.gateway.router import Router
+from services.gateway.router import NoWorkerError, Route, Router
 
 logger = logging.getLogger(__name__)
 
@@ -36,21 +38,42 @@ class WorkerProtocolError(RuntimeError):
 
 
 class Orchestrator:
-    """Runs requests on the workers its router picks, each gRPC call under a deadline."""
+    """Runs requests on the workers its router picks, each gRPC call under a deadline.
+
+    A call that cannot reach its worker (UNAVAILABLE before any answer: the worker died
+    or is draining) is retried on another worker of the pool, up to ``max_attempts``.
+    """
 
     def __init__(
         self,
-        prefill_addrs: Sequence[str],
-        decode_addrs: Sequence[str],
+        router: Router,
         disaggregation: bool,
         prefill_timeout_s: float = 60.0,
         decode_timeout_s: float = 600.0,
+        local_prefill_threshold: int = 0,
+        max_attempts: int = 3,
     ) -> None:
-        self.router = Router(prefill_addrs, decode_addrs)
+        self.router = router
         self.disaggregation = disaggregation
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_timeout_s = decode_timeout_s
+        self.local_prefill_threshold = local_prefill_threshold
+        self.max_attempts = max_attempts
+        self.counters: Counter[str] = Counter()  # prefill_remote, prefill_local, retries
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @classmethod
+    def with_addresses(
+        cls,
+        prefill_addrs: Sequence[str],
+        decode_addrs: Sequence[str],
+        disaggregation: bool,
+        **options,
+    ) -> Orchestrator:
+        """An orchestrator over fixed worker addresses (no registry)."""
+        from services.gateway.router import StaticPools
+
+        return cls(Router(StaticPools(prefill_addrs, decode_addrs)), disaggregation, **options)
 
     async def generate(
         self,
@@ -62,35 +85,99 @@ class Orchestrator:
         finish_reason. Closing the iterator, or cancelling its consumer, cancels the
         decode call. A worker's gRPC error is raised as it came (``grpc.aio.AioRpcError``).
         """
+        prompt = list(prompt_token_ids)
         request = decode_pb2.DecodeRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params
+            request_id=request_id, prompt_token_ids=prompt, params=params
         )
-        if self.disaggregation:
-            prefill = await self._prefill(request_id, prompt_token_ids, params)
+        route = await self.router.pick("decode", prompt)
+        # Conditional disaggregation: a prompt whose uncached part on the chosen decode
+        # worker is short is cheaper to prefill there than to prefill and transfer.
+        uncached = len(prompt) - route.cached_tokens
+        if self.disaggregation and uncached >= self.local_prefill_threshold:
+            self.counters["prefill_remote"] += 1
+            prefill = await self._prefill(request_id, prompt, params)
             yield first_token_event(prefill)
             if prefill.finish_reason:
                 return
             _hand_over(prefill, request)
-        address = self.router.pick_decode()
+        else:
+            self.counters["prefill_local"] += 1
+        async for event in self._decode(request, route, prompt):
+            yield event
+
+    async def _decode(
+        self, request: decode_pb2.DecodeRequest, route: Route, prompt: list[int]
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        tried: set[str] = set()
+        while True:
+            answered = False
+            try:
+                async with contextlib.aclosing(self._decode_on(request, route)) as events:
+                    async for response in events:
+                        answered = True
+                        yield response
+                return
+            except grpc.aio.AioRpcError as error:
+                tried.add(route.worker.worker_id)
+                route = await self._retry_route("decode", error, answered, route, prompt, tried)
+
+    async def _decode_on(
+        self, request: decode_pb2.DecodeRequest, route: Route
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        address = route.address
         stub = decode_pb2_grpc.DecodeStub(self._channel(address))
-        logger.debug("request %s: Decode on %s", request_id, address)
-        call = stub.Decode(request, timeout=self.decode_timeout_s)
+        logger.debug("request %s: Decode on %s", request.request_id, address)
         repeats_first = request.HasField("first_token_id")
-        try:
-            async for response in call:
-                if repeats_first and response.token_ids:
-                    response = _without_first_token(response, request.first_token_id, address)
-                    repeats_first = False
-                yield response
-                if response.finish_reason:
-                    return
-        finally:
-            # A no-op when the call is over; otherwise the worker sees the cancellation
-            # and frees the request's blocks.
-            call.cancel()
+        with self.router.track(route):
+            call = stub.Decode(request, timeout=self.decode_timeout_s)
+            try:
+                async for response in call:
+                    if repeats_first and response.token_ids:
+                        response = _without_first_token(response, request.first_token_id, address)
+                        repeats_first = False
+                    yield response
+                    if response.finish_reason:
+                        return
+            finally:
+                # A no-op when the call is over; otherwise the worker sees the cancellation
+                # and frees the request's blocks.
+                call.cancel()
         raise WorkerProtocolError(
-            f"decode worker {address} ended request {request_id}'s stream without a finish_reason"
+            f"decode worker {address} ended request {request.request_id}'s stream without a "
+            "finish_reason"
         )
+
+    async def _retry_route(
+        self,
+        role: str,
+        error: grpc.aio.AioRpcError,
+        answered: bool,
+        route: Route,
+        prompt: list[int],
+        tried: set[str],
+    ) -> Route:
+        """Another worker for a call that failed to reach ``route``; re-raise ``error`` when
+        the failure is not a connection failure, the worker had answered, or none is left."""
+        if (
+            answered
+            or error.code() != grpc.StatusCode.UNAVAILABLE
+            or len(tried) >= (self.max_attempts)
+        ):
+            raise error
+        self.router.mark_unreachable(route)
+        try:
+            retry = await self.router.pick(role, prompt, exclude=frozenset(tried))
+        except NoWorkerError:
+            raise error from None
+        self.counters["retries"] += 1
+        logger.warning(
+            "%s worker %s unreachable (%s); retrying on %s",
+            role,
+            route.address,
+            error.details(),
+            retry.address,
+        )
+        return retry
 
     async def close(self) -> None:
         """Close every channel (cancelling calls still running on them)."""
@@ -100,21 +187,33 @@ class Orchestrator:
     async def _prefill(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt: list[int],
         params: common_pb2.SamplingParams,
     ) -> prefill_pb2.PrefillResponse:
-        address = self.router.pick_prefill()
-        stub = prefill_pb2_grpc.PrefillStub(self._channel(address))
-        logger.debug("request %s: Prefill on %s", request_id, address)
         request = prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params
+            request_id=request_id, prompt_token_ids=prompt, params=params
         )
-        call = stub.Prefill(request, timeout=self.prefill_timeout_s)
-        try:
-            return await call
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
+        route = await self.router.pick("prefill", prompt)
+        tried: set[str] = set()
+        while True:
+            try:
+                return await self._prefill_on(request, route)
+            except grpc.aio.AioRpcError as error:
+                tried.add(route.worker.worker_id)
+                route = await self._retry_route("prefill", error, False, route, prompt, tried)
+
+    async def _prefill_on(
+        self, request: prefill_pb2.PrefillRequest, route: Route
+    ) -> prefill_pb2.PrefillResponse:
+        stub = prefill_pb2_grpc.PrefillStub(self._channel(route.address))
+        logger.debug("request %s: Prefill on %s", request.request_id, route.address)
+        with self.router.track(route):
+            call = stub.Prefill(request, timeout=self.prefill_timeout_s)
+            try:
+                return await call
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -142,6 +241,7 @@ def _hand_over(prefill: prefill_pb2.PrefillResponse, request: decode_pb2.DecodeR
     request.block_keys.extend(prefill.block_keys)
     request.kvstore_address = prefill.kvstore_address
     request.layout.CopyFrom(prefill.layout)
+    request.block_kvstore_addresses.extend(prefill.block_kvstore_addresses)
 
 
 def _without_first_token(

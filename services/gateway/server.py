@@ -17,7 +17,7 @@ from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from services.gateway.generation import REQUEST_ERRORS, generate
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import InvalidRequest, ModelLimits, prepare
-from services.gateway.router import NoWorkerError
+from services.gateway.router import NoWorkerError, Router
 from services.gateway.settings import GatewaySettings, SettingsError
 
 logger = logging.getLogger(__name__)
@@ -133,12 +133,13 @@ async def serve(
     limits = model_limits(path, settings)
     logger.info("gateway settings: %s; model limits: %s", settings, limits)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    router, view = await _router(settings, path)
     orchestrator = Orchestrator(
-        settings.prefill_addrs if settings.disaggregation else (),
-        settings.decode_addrs,
+        router,
         settings.disaggregation,
         prefill_timeout_s=settings.prefill_timeout_s,
         decode_timeout_s=settings.decode_timeout_s,
+        local_prefill_threshold=settings.local_prefill_threshold,
     )
     servicer = GatewayServicer(orchestrator, tokenizer, limits)
     # The HTTP socket first: a taken port then stops the start before anything else runs.
@@ -191,5 +192,33 @@ async def serve(
             stops.append(http.stop())
         await asyncio.gather(*stops)
         await orchestrator.close()
+        if view is not None:
+            await view.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+async def _router(settings, path):
+    """The router over the registry's pools (``--redis-url``) or the fixed addresses."""
+    from services.common.block_hash import model_fingerprint
+    from services.gateway.router import RoutingPolicy, StaticPools
+
+    policy = RoutingPolicy(
+        settings.routing, settings.route_prefix_weight, settings.route_load_weight
+    )
+    if not settings.redis_url:
+        pools = StaticPools(
+            settings.prefill_addrs if settings.disaggregation else (), settings.decode_addrs
+        )
+        return Router(pools, policy), None
+    from services.common.registry import RegistryView
+
+    view = RegistryView(settings.redis_url, prefix=settings.redis_prefix)
+    await view.start()
+    logger.info(
+        "registry at %s: %d workers (%s)",
+        settings.redis_url,
+        len(view.workers()),
+        "reachable" if view.redis_ok else "unreachable for now",
+    )
+    return Router(view, policy, fingerprint=model_fingerprint(path)), view

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.engine.config import env_default
+from services.common.env import env_default
 from services.gateway.requests import DEFAULT_MAX_TOKENS
 
 
@@ -35,15 +35,28 @@ class GatewaySettings:
     max_concurrent_requests: int = 256  # REST requests generating at once
     max_queued_requests: int = 512  # REST requests waiting for one of those slots
     queue_timeout_s: float = 30.0  # longest wait for a slot before a 429
+    redis_url: str | None = None  # pools from the registry instead of fixed addresses
+    redis_prefix: str = "pdserve"
+    routing: str = "prefix"
+    route_prefix_weight: float = 1.0
+    route_load_weight: float = 1.0
+    local_prefill_threshold: int = 0  # tokens; 0: always disaggregate
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill_addrs", tuple(self.prefill_addrs))
         object.__setattr__(self, "decode_addrs", tuple(self.decode_addrs))
-        if not self.decode_addrs:
-            raise SettingsError(
-                "no decode worker: pass --decode HOST:PORT (repeat it for several workers)"
+        if self.redis_url:
+            _check(
+                not self.decode_addrs and not self.prefill_addrs,
+                "pass either --redis-url (the pools come from the registry) or --prefill/"
+                "--decode addresses, not both",
             )
-        if self.disaggregation and not self.prefill_addrs:
+        elif not self.decode_addrs:
+            raise SettingsError(
+                "no decode worker: pass --decode HOST:PORT (repeat it for several workers), "
+                "or --redis-url to find the workers registered there"
+            )
+        elif self.disaggregation and not self.prefill_addrs:
             raise SettingsError(
                 "--disaggregation on needs a prefill worker: pass --prefill HOST:PORT, or use "
                 "--disaggregation off to let decode workers prefill prompts themselves"
@@ -82,6 +95,18 @@ class GatewaySettings:
         _check(
             self.max_queued_requests >= 0,
             f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}",
+        )
+        _check(
+            self.routing in ("prefix", "round-robin"),
+            f"--routing must be prefix or round-robin, got {self.routing!r}",
+        )
+        _check(
+            self.route_prefix_weight >= 0 and self.route_load_weight >= 0,
+            "--route-prefix-weight and --route-load-weight must be 0 or more",
+        )
+        _check(
+            self.local_prefill_threshold >= 0,
+            f"--local-prefill-threshold must be 0 or more, got {self.local_prefill_threshold}",
         )
         for flag, value in (
             ("--queue-timeout", self.queue_timeout_s),
@@ -178,6 +203,46 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a queued REST request waits for a slot before a 429",
     )
 
+    g = parser.add_argument_group("routing")
+    g.add_argument(
+        "--redis-url",
+        default=env_default("redis_url"),
+        help="take the prefill, decode and kvstore pools from the registry in this Redis "
+        "(e.g. redis://127.0.0.1:6379/0) instead of --prefill/--decode [env PDSERVE_REDIS_URL]",
+    )
+    g.add_argument(
+        "--redis-prefix",
+        default=env_default("redis_prefix", "pdserve"),
+        help="key prefix of the registry in Redis",
+    )
+    g.add_argument(
+        "--routing",
+        choices=["prefix", "round-robin"],
+        default=env_default("routing", "prefix"),
+        help="prefix: the lowest prefix_weight*uncached_blocks + load_weight*load_blocks "
+        "(see services/gateway/router.py); round-robin: in turn",
+    )
+    g.add_argument(
+        "--route-prefix-weight",
+        type=float,
+        default=env_default("route_prefix_weight", "1.0"),
+        help="cost of a prompt block the worker's prefix cache lacks",
+    )
+    g.add_argument(
+        "--route-load-weight",
+        type=float,
+        default=env_default("route_load_weight", "1.0"),
+        help="cost of a KV block in use on the worker",
+    )
+    g.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=env_default("local_prefill_threshold", "0"),
+        help="conditional disaggregation: a prompt whose uncached part on the chosen decode "
+        "worker is shorter than this many tokens is prefilled there, skipping the prefill "
+        "pool; 0: always use the prefill pool",
+    )
+
 
 def settings_from(ns: argparse.Namespace) -> GatewaySettings:
     """Settings from parsed flags; raises SettingsError saying what to change."""
@@ -200,6 +265,12 @@ def settings_from(ns: argparse.Namespace) -> GatewaySettings:
         max_concurrent_requests=ns.max_concurrent_requests,
         max_queued_requests=ns.max_queued_requests,
         queue_timeout_s=ns.queue_timeout,
+        redis_url=ns.redis_url,
+        redis_prefix=ns.redis_prefix,
+        routing=ns.routing,
+        route_prefix_weight=ns.route_prefix_weight,
+        route_load_weight=ns.route_load_weight,
+        local_prefill_threshold=ns.local_prefill_threshold,
     )
 
 

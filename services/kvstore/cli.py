@@ -26,6 +26,10 @@ class KVStoreSettings:
     host: str
     port: int
     capacity_bytes: int
+    redis_url: str | None = None
+    redis_prefix: str = "pdserve"
+    registry_ttl_s: float = 5.0
+    advertise_address: str | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -45,6 +49,9 @@ def add_kvstore_args(parser: argparse.ArgumentParser) -> None:
             default=os.environ.get(env, default),
             help=f"{_HELP[name]} [env {env}; default: {default}]",
         )
+    from services.common.registry import add_registry_args
+
+    add_registry_args(parser)
 
 
 def settings_from(ns: argparse.Namespace) -> KVStoreSettings:
@@ -59,7 +66,42 @@ def settings_from(ns: argparse.Namespace) -> KVStoreSettings:
         capacity = parse_size(ns.capacity_bytes)
     except ValueError as e:
         raise ValueError(f"--capacity-bytes: {e}") from None
-    return KVStoreSettings(host=ns.host, port=port, capacity_bytes=capacity)
+    return KVStoreSettings(
+        host=ns.host,
+        port=port,
+        capacity_bytes=capacity,
+        redis_url=ns.redis_url,
+        redis_prefix=ns.redis_prefix,
+        registry_ttl_s=ns.registry_ttl,
+        advertise_address=ns.advertise_address,
+    )
+
+
+def _publisher(settings: KVStoreSettings):
+    """Makes the kvstore's registry publisher once its address is known (None: no Redis)."""
+    if not settings.redis_url:
+        return None
+    from services.common.registry import RegistryPublisher, WorkerInfo, new_worker_id
+
+    def make(address: str, store) -> RegistryPublisher:
+        async def load() -> dict:
+            return {"bytes_used": store.bytes_used, "num_cached_blocks": store.num_blocks}
+
+        info = WorkerInfo(
+            worker_id=new_worker_id("kvstore"),
+            role="kvstore",
+            address=settings.advertise_address or address,
+            capacity_bytes=store.capacity_bytes,
+        )
+        return RegistryPublisher(
+            settings.redis_url,
+            info,
+            load=load,
+            ttl_s=settings.registry_ttl_s,
+            prefix=settings.redis_prefix,
+        )
+
+    return make
 
 
 def _print_ready(address: str) -> None:
@@ -73,7 +115,15 @@ def run(settings: KVStoreSettings) -> int:
     from services.kvstore.server import serve
 
     try:
-        asyncio.run(serve(settings.host, settings.port, settings.capacity_bytes, _print_ready))
+        asyncio.run(
+            serve(
+                settings.host,
+                settings.port,
+                settings.capacity_bytes,
+                _print_ready,
+                registry=_publisher(settings),
+            )
+        )
     except OSError as e:
         print(f"kvstore: error: {e}", file=sys.stderr)
         return 1

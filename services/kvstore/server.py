@@ -11,6 +11,7 @@ import grpc
 
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, start_server
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from services.common.registry import RegistryPublisher
 from services.engine.kv_transfer import BlockLayout
 from services.kvstore.batching import batched_by_bytes
 from services.kvstore.store import (
@@ -134,12 +135,15 @@ async def serve(
     port: int,
     capacity_bytes: int,
     on_ready: Callable[[str], None] | None = None,
+    registry: Callable[[str, BlockStore], RegistryPublisher | None] | None = None,
 ) -> None:
     """Serve a kvstore of ``capacity_bytes`` on host:port (0: a free port) until SIGTERM/SIGINT.
 
-    ``on_ready`` gets the bound address once the server accepts calls.
+    ``on_ready`` gets the bound address once the server accepts calls; ``registry`` makes
+    the publisher that registers it (None: not registered).
     """
-    servicer = KVStoreServicer(BlockStore(capacity_bytes))
+    store = BlockStore(capacity_bytes)
+    servicer = KVStoreServicer(store)
     server, bound_port = await start_server(  # OSError when it cannot bind
         host_port(host, port),
         [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
@@ -152,12 +156,17 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    publisher = registry(address, store) if registry is not None else None
+    if publisher is not None:
+        await publisher.start()
     if on_ready is not None:
         on_ready(address)
 
     stopped = asyncio.ensure_future(stop.wait())
     terminated = asyncio.ensure_future(server.wait_for_termination())
     await asyncio.wait([stopped, terminated], return_when=asyncio.FIRST_COMPLETED)
+    if publisher is not None:
+        await publisher.stop()
     if stop.is_set():
         logger.info("kvstore stopping (grace %.0f s)", GRACE_S)
         await server.health_servicer.enter_graceful_shutdown()

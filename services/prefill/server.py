@@ -20,6 +20,14 @@ from services.engine_proto import (
     run_until_signal,
     sampling_from_proto,
 )
+from services.kvstore.placement import KVStorePlacement
+from services.worker_runtime import (
+    RequestCounter,
+    add_worker_args,
+    engine_publisher,
+    registry_view,
+    serve_until_stopped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,19 +36,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Batches prompts through its engine (chunked prefill, prefix cache), then pushes blocks."""
 
     def __init__(
-        self, engine: AsyncEngine, kvstore_address: str, push_timeout_s: float = 30.0
+        self, engine: AsyncEngine, kvstores: KVStorePlacement, push_timeout_s: float = 30.0
     ) -> None:
-        from services.kvstore.client import KVStoreClient
-
         self.engine = engine
-        self.kvstore_address = kvstore_address
-        self.kvstore = KVStoreClient(kvstore_address)
+        self.kvstores = kvstores
         self.push_timeout_s = push_timeout_s
         self.layout = layout_to_proto(engine.engine.block_layout())
+        self.requests = RequestCounter()
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context
     ) -> prefill_pb2.PrefillResponse:
+        self.requests.total += 1
         try:
             # The first token only: decode workers generate the rest.
             params = sampling_from_proto(request.params, max_tokens=1, min_tokens=0)
@@ -70,18 +77,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ):
             done = "stop"
         blocks = last.exported or []
+        addresses: list[str] = []
         if done is None and blocks:
-            await self.kvstore.put_blocks(
-                self.layout,
-                [(b.key, b.data, b.num_tokens) for b in blocks],
-                timeout=self.push_timeout_s,
-            )
+            try:
+                addresses = self.kvstores.owners([b.key for b in blocks])
+            except LookupError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await self.kvstores.put(self.layout, blocks, addresses, self.push_timeout_s)
         resp = prefill_pb2.PrefillResponse(
             first_token_id=first,
             block_keys=[b.key for b in blocks],
             num_prompt_tokens=len(prompt),
             num_cached_tokens=last.num_cached_tokens,
-            kvstore_address=self.kvstore_address,
+            kvstore_address=addresses[0] if addresses else "",
+            block_kvstore_addresses=addresses if len(set(addresses)) > 1 else [],
             layout=self.layout,
             finish_reason=done or "",
         )
@@ -96,23 +105,43 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     engine_args = engine_args_from(args)
     path = resolve_model(engine_args.model)
+    if not args.kvstore and not args.redis_url:
+        raise ValueError(
+            "a prefill worker needs a kvstore: pass --kvstore HOST:PORT, or --redis-url to "
+            "use the kvstore replicas registered there"
+        )
     engine = AsyncEngine(LLMEngine(engine_args, str(path)))
-    servicer = PrefillServicer(engine, args.kvstore)
+    view = None if args.kvstore else registry_view(args)
+    if view is not None:
+        await view.start()
+    servicer = PrefillServicer(engine, KVStorePlacement(args.kvstore, view))
     server, port = await start_server(
         f"{args.host}:{args.port}",
         [lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s)],
         ["pdserve.v1.Prefill"],
     )
-    print(f"READY prefill {args.host}:{port}", flush=True)
-    await stop.wait()
-    await server.stop(grace=5)
-    engine.shutdown()
+    publisher = engine_publisher(args, "prefill", args.host, port, engine, servicer.requests)
+    try:
+        await serve_until_stopped(
+            "prefill", f"{args.host}:{port}", server, publisher, stop, args.drain_timeout
+        )
+    finally:
+        if view is not None:
+            await view.close()
+        await servicer.kvstores.close()
+        engine.shutdown()
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve prefill", description="Run a prefill worker.")
     add_server_args(p, 50071)
-    p.add_argument("--kvstore", required=True, help="address of the kvstore (host:port)")
+    p.add_argument(
+        "--kvstore",
+        default=None,
+        help="address of the kvstore (HOST:PORT); default: the kvstore replicas registered "
+        "in --redis-url, each block to its owner by rendezvous hashing",
+    )
+    add_worker_args(p)
     add_engine_args(p)
     return p
 

@@ -30,7 +30,7 @@ from services.common.pb import (
 from services.gateway.__main__ import main as gateway_main
 from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
 from services.gateway.requests import ModelLimits
-from services.gateway.router import Router
+from services.gateway.router import Router, RoutingPolicy, StaticPools
 from services.gateway.server import SERVICE_NAME, GatewayServicer
 
 WAIT_S = 2.0  # every wait on the fakes is bounded by this
@@ -150,7 +150,7 @@ async def serving(*servicers):
 
 @asynccontextmanager
 async def orchestrating(prefill_addrs, decode_addrs, disaggregation=True):
-    orchestrator = Orchestrator(
+    orchestrator = Orchestrator.with_addresses(
         prefill_addrs, decode_addrs, disaggregation, prefill_timeout_s=5, decode_timeout_s=5
     )
     try:
@@ -248,8 +248,9 @@ async def test_decode_workers_are_picked_round_robin():
         for _ in range(4):
             await collect(orch)
     assert [len(log) for log in logs] == [2, 2]
-    router = Router(["p1", "p2"], ["d1"])
-    assert [router.pick_prefill() for _ in range(3)] == ["p1", "p2", "p1"]
+    router = Router(StaticPools(["p1", "p2"], ["d1"]), RoutingPolicy("round-robin"))
+    picks = [(await router.pick("prefill", [1, 2, 3])).address for _ in range(3)]
+    assert picks == ["p1", "p2", "p1"]
 
 
 async def test_closing_the_stream_cancels_the_decode_call():

@@ -418,7 +418,7 @@ async def test_no_reachable_decode_worker_gets_503_with_retry_after(tiny_llama_p
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    orch = Orchestrator((), ("127.0.0.1:1",), False, prefill_timeout_s=5, decode_timeout_s=5)
+    orch = Orchestrator.with_addresses((), ("127.0.0.1:1",), False, prefill_timeout_s=5, decode_timeout_s=5)
     served = Served(orch, tokenizer, ModelLimits(MAX_MODEL_LEN, 512), MODEL_NAME)
     http = await HttpServer.start(create_app(served), "127.0.0.1", 0, drain_timeout_s=1)
     try:

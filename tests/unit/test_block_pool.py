@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from services.engine.block_pool import BlockHash, BlockPool, hash_block
+from services.common.block_hash import BlockHash, hash_block
+from services.engine.block_pool import BlockPool
 
 FP = b"fingerprint"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.block_pool import BlockPool, hash_block
+from services.common.block_hash import hash_block
+from services.engine.block_pool import BlockPool
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
