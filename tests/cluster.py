@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_READY = re.compile(r"^READY (\w+) (\S+)$")
+_READY = re.compile(r"^READY ([\w-]+) (\S+)$")
 
 
 @dataclass
@@ -102,3 +102,15 @@ class Cluster:
                 if "Traceback" in line or "Exception in callback" in line or "Unhandled" in line:
                     bad.append(f"{svc.name}: {line}")
         return bad
+
+
+def http_ready_line(gateway: Service) -> str:
+    """The REST address from a gateway's second READY line (``start`` reads only the first).
+
+    The gateway prints it right after the first; if it died instead, readline gets EOF.
+    (No select() here: the line may already sit in the pipe reader's buffer.)"""
+    line = gateway.proc.stdout.readline().strip()
+    match = re.fullmatch(r"READY gateway-http (\S+)", line)
+    if not match:
+        raise RuntimeError(f"expected the gateway's HTTP READY line, got {line!r}")
+    return match.group(1)

@@ -249,12 +249,14 @@ class RegistryView:
     prefix: str = DEFAULT_PREFIX
     refresh_s: float = 0.5
     query_timeout_s: float = 0.25
+    recovery_grace_s: float = DEFAULT_TTL_S
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _gone: deque = field(default_factory=lambda: deque(maxlen=4096))
     _unreachable: dict[str, int] = field(default_factory=dict)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     redis_ok: bool = False
     _closed: bool = False
+    _recovered_until: float = 0.0
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.prefix)
@@ -358,11 +360,19 @@ class RegistryView:
                 )
             self.redis_ok = False
             return
+        now = asyncio.get_running_loop().time()
         if not self.redis_ok and self._entries:
+            # A restarted Redis is empty until each worker's next heartbeat: keep the last
+            # known workers for one TTL more, as if Redis had never gone.
             logger.warning("registry: Redis is back; %d workers registered", len(entries))
+            self._recovered_until = now + self.recovery_grace_s
         self.redis_ok = True
         gone = set(self._gone)
         before = {k: e.info.seq for k, e in self._entries.items()}
+        if now < self._recovered_until:
+            for worker_id, old in self._entries.items():
+                if worker_id not in entries:
+                    entries[worker_id] = _Entry(old.info, self._recovered_until)
         self._entries = {k: e for k, e in entries.items() if k not in gone}
         for worker_id in list(self._unreachable):
             if worker_id not in self._entries:

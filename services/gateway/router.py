@@ -12,7 +12,11 @@ policy (the default) each live candidate whose model matches the gateway's is sc
   blocks of this gateway's own requests in flight on w (reports are up to a heartbeat
   old; a burst of requests would otherwise all land on one worker).
 
-The lowest cost wins; ties go to the worker with fewer of this gateway's requests in
+The defaults (prefix_weight 1, load_weight 0.5) count a block in use at half a block to
+prefill: a request in flight costs a worker less than recomputing its cached prefix would
+(adding a sequence to a running batch is cheap; prefill is compute), so a family of
+prompts stays on the worker that holds its prefix until that worker carries about two
+requests more than the others. The lowest cost wins; ties go to the worker with fewer of this gateway's requests in
 flight, then to the next in turn. A worker holding a hot prefix thus takes requests only
 until its extra load outweighs the prefill it saves, so no one worker gets everything.
 ``round-robin`` ignores caches and load. Fixed-address pools have no block sets: there
@@ -43,7 +47,7 @@ class NoWorkerError(RuntimeError):
 class RoutingPolicy:
     mode: str = "prefix"
     prefix_weight: float = 1.0
-    load_weight: float = 1.0
+    load_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:

@@ -39,7 +39,7 @@ class GatewaySettings:
     redis_prefix: str = "pdserve"
     routing: str = "prefix"
     route_prefix_weight: float = 1.0
-    route_load_weight: float = 1.0
+    route_load_weight: float = 0.5
     local_prefill_threshold: int = 0  # tokens; 0: always disaggregate
 
     def __post_init__(self) -> None:
@@ -231,7 +231,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--route-load-weight",
         type=float,
-        default=env_default("route_load_weight", "1.0"),
+        default=env_default("route_load_weight", "0.5"),
         help="cost of a KV block in use on the worker",
     )
     g.add_argument(

@@ -4,7 +4,6 @@ gateway (gRPC + REST) -> prefill worker -> kvstore -> decode worker."""
 from __future__ import annotations
 
 import asyncio
-import re
 import shutil
 import time
 from contextlib import asynccontextmanager
@@ -21,7 +20,7 @@ from services.gateway.http import HttpServer
 from services.gateway.openai_api import Served, create_app
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import ModelLimits
-from tests.cluster import Cluster
+from tests.cluster import Cluster, http_ready_line
 from tests.integration.test_gateway_orchestration import FakeDecode, orchestrating, serving
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
@@ -62,21 +61,10 @@ def cluster(chat_model, tmp_path_factory):
             MODEL_NAME,
             *model,
         )
-        c.http_address = _http_ready_line(gw)
+        c.http_address = http_ready_line(gw)
         yield c
     finally:
         c.stop_all()
-
-
-def _http_ready_line(gateway) -> str:
-    """The REST address from the gateway's second READY line (Cluster reads only the first).
-
-    The gateway prints it right after the first; if it died instead, readline gets EOF.
-    (No select() here: the line may already sit in the pipe reader's buffer.)"""
-    line = gateway.proc.stdout.readline().strip()
-    match = re.fullmatch(r"READY gateway-http (\S+)", line)
-    assert match, f"expected the HTTP READY line, got {line!r}"
-    return match.group(1)
 
 
 @pytest.fixture(scope="module")
@@ -418,7 +406,9 @@ async def test_no_reachable_decode_worker_gets_503_with_retry_after(tiny_llama_p
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    orch = Orchestrator.with_addresses((), ("127.0.0.1:1",), False, prefill_timeout_s=5, decode_timeout_s=5)
+    orch = Orchestrator.with_addresses(
+        (), ("127.0.0.1:1",), False, prefill_timeout_s=5, decode_timeout_s=5
+    )
     served = Served(orch, tokenizer, ModelLimits(MAX_MODEL_LEN, 512), MODEL_NAME)
     http = await HttpServer.start(create_app(served), "127.0.0.1", 0, drain_timeout_s=1)
     try:

@@ -14,8 +14,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.cluster import Cluster
-from tests.integration.test_openai_api import ENGINE, MODEL_NAME, _http_ready_line
+from tests.cluster import Cluster, http_ready_line
+from tests.integration.test_openai_api import ENGINE, MODEL_NAME
 
 MAX_MODEL_LEN = 48  # bounds every generation, whatever max_tokens the fuzzer picks
 EXAMPLES_PER_OPERATION = 40
@@ -46,7 +46,7 @@ def fuzz_gateway(tiny_llama_path, tmp_path_factory):
             MODEL_NAME,
             *model,
         )
-        c.http_address = _http_ready_line(gw)
+        c.http_address = http_ready_line(gw)
         yield c
     finally:
         c.stop_all()

@@ -6,8 +6,7 @@ import openai
 import pytest
 
 from services.engine import LLM, SamplingParams
-from tests.cluster import Cluster
-from tests.integration.test_openai_api import _http_ready_line
+from tests.cluster import Cluster, http_ready_line
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
 
@@ -31,7 +30,7 @@ def cluster(smollm2_path, tmp_path_factory):
             "2048",
             *model,
         )
-        c.http_address = _http_ready_line(gw)
+        c.http_address = http_ready_line(gw)
         yield c
     finally:
         c.stop_all()

@@ -1,0 +1,142 @@
+"""The router's arithmetic and the kvstore placement: scores, ties, spreading, rendezvous."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from services.common.block_hash import hash_block, prompt_block_hashes
+from services.common.registry import WorkerInfo, rendezvous_owner
+from services.gateway.router import (
+    NoWorkerError,
+    Router,
+    RoutingPolicy,
+    StaticPools,
+    score,
+)
+
+FP = b"f" * 16
+FP_HEX = FP.hex()
+
+
+def test_prompt_block_hashes_chain_full_blocks_only():
+    tokens = list(range(10))
+    hashes = prompt_block_hashes(tokens, 4, FP)
+    assert len(hashes) == 2
+    assert hashes[0] == hash_block(None, tokens[:4], FP)
+    assert hashes[1] == hash_block(hashes[0], tokens[4:8], FP)
+    assert prompt_block_hashes(tokens[:3], 4, FP) == []
+
+
+def test_score_weighs_uncached_blocks_against_load():
+    w = WorkerInfo("w", "decode", "a:1", block_size=16, num_total_blocks=100, num_free_blocks=90)
+    policy = RoutingPolicy(load_weight=1.0)
+    # 100 tokens = 7 blocks, 4 cached -> 3 uncached; 10 blocks in use.
+    assert score(100, w, 4, 0, policy) == 3 + 10
+    # The gateway's own in-flight count wins when the worker's report is behind.
+    assert score(100, w, 4, 25, policy) == 3 + 25
+    assert score(100, w, 4, 0, RoutingPolicy()) == 3 + 0.5 * 10  # the defaults
+    assert score(100, w, 4, 0, RoutingPolicy(prefix_weight=2.0, load_weight=0.5)) == 6 + 5
+
+
+def test_policy_and_pool_errors_are_clear():
+    with pytest.raises(ValueError, match="--routing"):
+        RoutingPolicy("random")
+    with pytest.raises(ValueError, match="weight"):
+        RoutingPolicy(load_weight=-1)
+
+
+class Pools:
+    """Registry-shaped pools with fixed prefix lengths: the router's inputs, nothing else."""
+
+    def __init__(self, workers, cached):
+        self._workers, self.cached = workers, cached
+        self.unreachable: set[str] = set()
+
+    def workers(self, role=None):
+        return [w for w in self._workers if w.role == role and w.worker_id not in self.unreachable]
+
+    def mark_unreachable(self, worker_id):
+        self.unreachable.add(worker_id)
+
+    async def prefix_lengths(self, workers, hashes):
+        return {w.worker_id: self.cached.get(w.worker_id, 0) for w in workers}
+
+    def describe(self, role):
+        return f"no {role} worker"
+
+
+def decode(worker_id, fingerprint=FP_HEX):
+    return WorkerInfo(worker_id, "decode", f"{worker_id}:1", fingerprint=fingerprint, block_size=16)
+
+
+async def test_the_longest_cached_prefix_wins_until_its_load_outweighs_it():
+    pools = Pools([decode("a"), decode("b")], {"a": 6})
+    router = Router(pools, fingerprint=FP)
+    prompt = list(range(128))  # 8 blocks; a holds 6 of them
+    route = await router.pick("decode", prompt)
+    assert route.worker.worker_id == "a" and route.cached_tokens == 96
+    # Each request in flight on a counts its 8 blocks: the saving of 6 blocks is gone
+    # after one, so the hot prefix spreads to b.
+    picks, in_flight = [], []
+    for _ in range(6):
+        route = await router.pick("decode", prompt)
+        picks.append(route.worker.worker_id)
+        in_flight.append(router.track(route))
+        in_flight[-1].__enter__()  # stays in flight
+    assert set(picks) == {"a", "b"}
+    assert max(Counter(picks).values()) <= 4
+
+
+async def test_ties_rotate_and_round_robin_ignores_caches():
+    pools = Pools([decode("a"), decode("b"), decode("c")], {})
+    router = Router(pools, fingerprint=FP)
+    picks = [(await router.pick("decode", [1, 2, 3])).worker.worker_id for _ in range(6)]
+    assert Counter(picks) == {"a": 2, "b": 2, "c": 2}
+    rr = Router(Pools([decode("a"), decode("b")], {"a": 8}), RoutingPolicy("round-robin"), FP)
+    picks = [(await rr.pick("decode", list(range(128)))).worker.worker_id for _ in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+
+
+async def test_only_workers_of_the_same_model_are_candidates():
+    pools = Pools([decode("a", fingerprint="00" * 16), decode("b")], {})
+    router = Router(pools, fingerprint=FP)
+    assert {(await router.pick("decode", [1])).worker.worker_id for _ in range(4)} == {"b"}
+    lone = Router(Pools([decode("a", fingerprint="00" * 16)], {}), fingerprint=FP)
+    with pytest.raises(NoWorkerError, match="same --model"):
+        await lone.pick("decode", [1])
+    with pytest.raises(NoWorkerError, match="no prefill worker"):
+        await lone.pick("prefill", [1])
+
+
+async def test_static_pools_skip_an_unreachable_address_for_a_while():
+    pools = StaticPools(["p1"], ["d1", "d2"], retry_after_s=60)
+    router = Router(pools)
+    route = await router.pick("decode", [1])
+    router.mark_unreachable(route)
+    others = {(await router.pick("decode", [1])).address for _ in range(3)}
+    assert others == {"d1", "d2"} - {route.address}
+
+
+def replicas(n):
+    return [WorkerInfo(f"kv-{i}", "kvstore", f"127.0.0.1:{7000 + i}") for i in range(n)]
+
+
+def test_rendezvous_spreads_keys_and_adding_a_replica_moves_only_its_share():
+    rng = random.Random(0)
+    keys = [rng.randbytes(16) for _ in range(4000)]
+    before = {k: rendezvous_owner(k, replicas(3)).worker_id for k in keys}
+    counts = Counter(before.values())
+    assert all(1100 < c < 1570 for c in counts.values()), counts  # about 1/3 each
+    after = {k: rendezvous_owner(k, replicas(4)).worker_id for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "kv-3" for k in moved)  # only to the new replica
+    assert 800 < len(moved) < 1200  # about 1/4 of the keys
+    # Order of the replica list does not matter: every process agrees.
+    shuffled = replicas(4)
+    rng.shuffle(shuffled)
+    assert all(rendezvous_owner(k, shuffled).worker_id == after[k] for k in keys[:200])
+    with pytest.raises(LookupError, match="no kvstore"):
+        rendezvous_owner(keys[0], [])
