@@ -383,3 +383,38 @@ async def test_losing_redis_fails_no_request_and_the_registry_recovers(tiny_llam
         cluster.stop_all()
         redis.stop()
     assert cluster.unhandled_errors() == []
+
+
+async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
+    tiny_llama_path, redis_server, cluster
+):
+    from services.kvstore.client import KVStoreClient
+
+    url, prefix = redis_server.url, "replicas"
+    reg = ["--redis-url", url, "--redis-prefix", prefix, "--registry-ttl", str(TTL_S)]
+    kv_specs = [
+        (f"kvstore-{i}", "services.kvstore", "--capacity-bytes", "64MiB", *reg) for i in range(2)
+    ]
+    kvs = start_all(cluster, kv_specs)
+    view = RegistryView(url, prefix=prefix)
+    await view.start()
+    try:
+        await until(lambda: asyncio.sleep(0, len(view.workers("kvstore")) == 2), what="kvstores")
+        start_all(cluster, worker_specs(tiny_llama_path, url, prefix, kvstore=False))
+        gw = start_gateway(cluster, "gateway", tiny_llama_path, url, prefix)
+        work = prompts(7, 6, 100)  # 6 full blocks and a tail each: 42 keys
+        llm = LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=128)
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+        expected = [o.token_ids for o in llm.generate(work, params)]
+        outs = await asyncio.gather(*(generate(gw.address, p, f"r{i}") for i, p in enumerate(work)))
+        assert outs == expected
+        stats = []
+        for kv in kvs:
+            async with KVStoreClient(kv.address) as client:
+                stats.append(await client.stat(timeout=10))
+        # Each replica holds its share, and the decode worker fetched from both.
+        assert all(s.blocks_in > 0 and s.blocks_out > 0 for s in stats), stats
+        assert sum(s.blocks_in for s in stats) == len(work) * 7
+    finally:
+        await view.close()
+    assert cluster.unhandled_errors() == []
