@@ -56,6 +56,18 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
     return chat_loop(llm, params, system=ns.system)
 
 
+def _cmd_up(ns: argparse.Namespace) -> int:
+    from services.up import run, settings_from
+
+    return run(settings_from(ns))
+
+
+def _cmd_status(ns: argparse.Namespace) -> int:
+    from services.status import run
+
+    return run(ns)
+
+
 def _cmd_kvstore(ns: argparse.Namespace) -> int:
     from services.kvstore.cli import run, settings_from
 
@@ -104,15 +116,38 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
 
-    for name, help_text in (
-        ("chat", "chat with the model in the terminal"),
-        ("up", "start pdserve on this machine (for now: the engine behind an interactive chat)"),
-    ):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--system", default=None, help="system prompt")
-        _add_sampling_flags(p)
-        add_engine_args(p)
-        p.set_defaults(func=_cmd_chat)
+    p = sub.add_parser("chat", help="chat with the model in the terminal")
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_flags(p)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_chat)
+
+    from services.up import add_up_args
+
+    p = sub.add_parser(
+        "up",
+        help="start the whole cluster on this machine: Redis, kvstore, workers, gateway",
+        description="Start Redis (unless --redis-url), a kvstore, --prefill prefill and "
+        "--decode decode workers (loading their models in parallel, each pinned to its own "
+        "CPU cores) and then the gateway; print its addresses and wait. Ctrl-C stops it all: "
+        "the gateway first, then the workers, the kvstore and Redis. The engine flags go to "
+        "every worker; logs go to --log-dir.",
+    )
+    add_up_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_up)
+
+    from services.status import add_status_args
+
+    p = sub.add_parser(
+        "status",
+        help="show the registered workers and kvstores of a cluster, and their load",
+        description="Read the registry in Redis once and print a table per pool (prefill, "
+        "decode, kvstore): address, model, running and waiting requests, KV blocks in use, "
+        "prefix cache hits, kvstore bytes, and the age of each entry's last heartbeat.",
+    )
+    add_status_args(p)
+    p.set_defaults(func=_cmd_status)
 
     for name, (_, help_text) in _SERVICES.items():
         sub.add_parser(name, help=help_text, add_help=False)

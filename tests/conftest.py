@@ -43,3 +43,16 @@ def tiny_qwen2_path(tmp_path_factory) -> Path:
     from tests.tiny_models import build_tiny_checkpoint
 
     return build_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama_path(tiny_llama_path, tmp_path_factory) -> Path:
+    """The tiny Llama with a minimal chat template (its tokenizer has none), named `tiny`."""
+    import shutil
+
+    model = tmp_path_factory.mktemp("tiny-chat") / "tiny"
+    shutil.copytree(tiny_llama_path, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    )
+    return model

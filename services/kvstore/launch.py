@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import selectors
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from services.supervisor import read_ready_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,31 +32,6 @@ class KVStoreProcess:
         if self.process.stdout is not None:
             self.process.stdout.close()
         return self.process.returncode
-
-
-def read_ready_line(process: subprocess.Popen, name: str, timeout: float) -> str:
-    """The address from the process's ``READY <name> <address>`` line on stdout."""
-    deadline = time.monotonic() + timeout
-    fd = process.stdout.fileno()
-    buffer = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        while b"\n" not in buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{name} printed no READY line within {timeout:.0f} s")
-            if not selector.select(left):
-                continue
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                code = process.wait()
-                raise RuntimeError(f"{name} exited with code {code} before it was ready")
-            buffer += chunk
-    line = buffer.split(b"\n", 1)[0].decode()
-    words = line.split()
-    if len(words) != 3 or words[:2] != ["READY", name]:
-        raise RuntimeError(f"{name} printed {line!r} instead of 'READY {name} <address>'")
-    return words[2]
 
 
 def start_kvstore(

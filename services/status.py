@@ -1,0 +1,159 @@
+"""`pdserve status`: the registry in Redis, read once, as a table per pool (or JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+
+from services.common.env import env_default
+from services.common.registry import DEFAULT_PREFIX, ROLES, RegistryView, WorkerInfo
+
+
+def add_status_args(parser: argparse.ArgumentParser) -> None:
+    """``--redis-url``, ``--redis-prefix`` and ``--json``."""
+    parser.add_argument(
+        "--redis-url",
+        default=env_default("redis_url"),
+        help="the cluster's Redis, e.g. redis://127.0.0.1:6379/0 [env PDSERVE_REDIS_URL]",
+    )
+    parser.add_argument(
+        "--redis-prefix",
+        default=env_default("redis_prefix", DEFAULT_PREFIX),
+        help="key prefix of the cluster's registry",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+async def read_workers(url: str, prefix: str) -> list[WorkerInfo]:
+    """Live registry entries; ConnectionError when Redis does not answer."""
+    view = RegistryView(url, prefix=prefix)
+    try:
+        await view.refresh()
+        if not view.redis_ok:
+            raise ConnectionError(f"Redis at {url} does not answer")
+        return view.workers()
+    finally:
+        await view.close()
+
+
+def pool_totals(workers: list[WorkerInfo]) -> dict[str, int]:
+    """Sums over one pool's workers."""
+    names = (
+        "num_running",
+        "num_waiting",
+        "num_total_blocks",
+        "active_blocks",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "bytes_used",
+        "capacity_bytes",
+        "requests_total",
+    )
+    return {"workers": len(workers), **{n: sum(getattr(w, n) for w in workers) for n in names}}
+
+
+def status_json(workers: list[WorkerInfo], now: float) -> dict:
+    """Each pool's entries (with ``heartbeat_age_s``) and totals."""
+    pools = {}
+    for role in ROLES:
+        members = [w for w in workers if w.role == role]
+        entries = [
+            {**dataclasses.asdict(w), "heartbeat_age_s": round(now - w.updated_at, 3)}
+            for w in members
+        ]
+        pools[role] = {"workers": entries, "totals": pool_totals(members)}
+    return {"pools": pools}
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _row(role: str, w: WorkerInfo | dict, now: float) -> list[str]:
+    """One table row: a worker, or a pool's totals (a dict from ``pool_totals``)."""
+    if isinstance(w, dict):
+        ident, address, model, age = f"total ({w['workers']})", "", "", ""
+        get = w.__getitem__
+    else:
+        ident, address, model, age = w.worker_id, w.address, w.model, f"{now - w.updated_at:.1f}s"
+        get = w.__getattribute__
+    if role == "kvstore":
+        used, cap = get("bytes_used"), get("capacity_bytes")
+        return [ident, address, f"{_size(used)} / {_size(cap)} ({_pct(used, cap)})", age]
+    used, total = get("active_blocks"), get("num_total_blocks")
+    hits, queries = get("prefix_cache_hits"), get("prefix_cache_queries")
+    return [
+        ident,
+        address,
+        model,
+        str(get("num_running")),
+        str(get("num_waiting")),
+        f"{used}/{total} ({_pct(used, total)})",
+        f"{_pct(hits, queries)} ({hits}/{queries})",
+        age,
+    ]
+
+
+_HEADERS = {
+    "worker": [
+        "id",
+        "address",
+        "model",
+        "running",
+        "waiting",
+        "KV blocks",
+        "prefix hits (tokens)",
+        "age",
+    ],
+    "kvstore": ["id", "address", "bytes used / capacity", "age"],
+}
+
+
+def format_tables(workers: list[WorkerInfo], now: float) -> str:
+    """A table per pool, with a totals row; ``age`` is the time since the last heartbeat."""
+    out = []
+    for role in ROLES:
+        members = [w for w in workers if w.role == role]
+        out.append(f"{role} ({len(members)})")
+        if not members:
+            out.append("  (none registered)\n")
+            continue
+        rows = [_HEADERS["kvstore" if role == "kvstore" else "worker"]]
+        rows += [_row(role, w, now) for w in members] + [_row(role, pool_totals(members), now)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            out.append(
+                "  " + "  ".join(c.ljust(wd) for c, wd in zip(row, widths, strict=True)).rstrip()
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Print the registry once; exit 1 when Redis does not answer."""
+    if not ns.redis_url:
+        print("pdserve status: error: pass --redis-url (printed by `pdserve up`)", file=sys.stderr)
+        return 2
+    try:
+        workers = asyncio.run(read_workers(ns.redis_url, ns.redis_prefix))
+    except ConnectionError as e:
+        print(f"pdserve status: error: {e}; is the cluster up?", file=sys.stderr)
+        return 1
+    now = time.time()
+    if ns.json:
+        print(json.dumps({"redis_url": ns.redis_url, **status_json(workers, now)}, indent=2))
+    else:
+        print(format_tables(workers, now), end="")
+    return 0

@@ -1,0 +1,166 @@
+"""`pdserve up` as a user runs it: the whole cluster from one command, a real chat request
+through it, `pdserve status`, and Ctrl-C leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
+
+
+def _start_up(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,  # no reader buffer: select() must see every line still unread
+        start_new_session=True,
+    )
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    """stdout up to and including the line that starts with ``marker``."""
+    out = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(max(deadline - time.monotonic(), 0.01)):
+                continue
+            line = proc.stdout.readline().decode()
+            if not line:
+                break
+            out.append(line)
+            if line.startswith(marker):
+                return "".join(out)
+    proc.kill()
+    raise AssertionError(f"no {marker!r} line; stdout:\n{''.join(out)}\n{_stderr(proc)}")
+
+
+def _stderr(proc: subprocess.Popen) -> str:
+    return proc.stderr.read().decode(errors="replace")
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = {int(p) for p in task.read_text().split()}
+            except OSError:
+                continue
+            todo += kids - found
+            found |= kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_path, tmp_path):
+    proc = _start_up(
+        "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
+        "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
+        *ENGINE,
+    )  # fmt: skip
+    pids: set[int] = set()
+    try:
+        out = _read_until(proc, "Ctrl-C stops everything", timeout=90)
+        for name in ("redis", "kvstore", "prefill-0", "decode-0", "gateway"):
+            assert f"✓ {name}" in out
+        rest = re.search(r"REST +(http://\S+)", out).group(1)
+        redis_url = re.search(r"Redis +(\S+)", out).group(1)
+        assert "curl -s " + rest + "/chat/completions" in out
+        pids = _descendants(proc.pid)
+        assert len(pids) >= 5  # redis, kvstore, prefill, decode, gateway
+
+        response = httpx.post(
+            f"{rest}/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["usage"]["completion_tokens"] > 0
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+        status = subprocess.run(
+            [sys.executable, "-m", "services.cli", "status", "--redis-url", redis_url, "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert status.returncode == 0, status.stderr
+        pools = json.loads(status.stdout)["pools"]
+        assert {role: len(p["workers"]) for role, p in pools.items()} == {
+            "prefill": 1,
+            "decode": 1,
+            "kvstore": 1,
+        }
+        assert pools["decode"]["workers"][0]["requests_total"] >= 1
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, _stderr(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_up_stops_everything_when_a_worker_fails_to_start(tiny_chat_llama_path, tmp_path):
+    # One KV block cannot hold a 256-token sequence: the workers refuse to start.
+    proc = _start_up(
+        "--port", "0", "--http-port", "0", "--model", str(tiny_chat_llama_path),
+        "--log-dir", str(tmp_path), "--dtype", "float32", "--num-kv-blocks", "1",
+        "--max-model-len", "256",
+    )  # fmt: skip
+    pids: set[int] = set()
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        pids |= _descendants(proc.pid)
+        time.sleep(0.2)
+    try:
+        stderr = proc.communicate(timeout=5)[1].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 1, stderr
+    assert "exited with code" in stderr and "before it was ready" in stderr
+    assert "--kv-cache-memory" in stderr  # the worker's own error, from its log tail
+    assert pids and not [p for p in pids if _alive(p)]
+
+
+def test_up_refuses_a_missing_model_before_starting_anything(tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = _start_up("--model", "/nonexistent", "--log-dir", str(log_dir))
+    stderr = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 2
+    assert "/nonexistent does not exist" in stderr
+    assert not log_dir.exists()  # nothing was started
