@@ -280,7 +280,8 @@ class LLMEngine:
         seq.num_computed_tokens = covered
         seq.num_cached_tokens = len(hits) * bs
         seq.num_imported_tokens = covered - len(hits) * bs
-        self.kv_cache.record_lookup(n, len(hits) * bs)
+        if hits or imports:  # else the scheduler looks the prompt up (and counts it) itself
+            self.kv_cache.record_lookup(n, len(hits) * bs)
         seq.append_token(first_token)
         if seq.logprobs is not None and first_logprob is not None:
             seq.logprobs.append(first_logprob)

@@ -82,7 +82,8 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.block_table:  # KV imported from another worker: continue from there
+            imported = bool(seq.block_table)
+            if imported:  # KV imported from another worker: continue from there
                 hits, num_hit_tokens = [], seq.num_computed_tokens
             else:
                 hits = self.kv_cache.get_computed_blocks(seq)
@@ -91,7 +92,8 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(seq, n, hits):
                 break
             self.waiting.popleft()
-            self.kv_cache.record_lookup(seq.num_tokens, num_hit_tokens)
+            if not imported:  # an import counted its own lookup
+                self.kv_cache.record_lookup(seq.num_tokens, num_hit_tokens)
             seq.num_computed_tokens = num_hit_tokens
             if seq.num_preemptions == 0 and not seq.num_imported_tokens:
                 seq.num_cached_tokens = num_hit_tokens

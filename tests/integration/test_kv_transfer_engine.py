@@ -60,7 +60,10 @@ def test_transfer_gives_the_same_tokens(engines, drop):
         elif drop == "all":
             fetched = {}
         decode.engine.pool.reset_prefix_cache()  # no help from earlier requests
+        queries = decode.stats().prefix_cache_queries
         seq = _decode(decode, prompt, rid, first, fetched, 12)
+        # One lookup per request, whether the import or the scheduler made it.
+        assert decode.stats().prefix_cache_queries - queries in (len(prompt), len(prompt) + 1)
         assert seq.output_token_ids == want.token_ids, (drop, k)
         if drop == "none":
             assert seq.num_imported_tokens == len(prompt)
@@ -76,8 +79,12 @@ def test_second_import_uses_the_decode_engines_own_cache(engines):
     fetched = {b.key: b.data for b in blocks}
     seq1 = _decode(decode, prompt, "own-1", first, fetched, 3)
     assert seq1.num_imported_tokens == len(prompt)
+    before = decode.stats()
     seq2 = _decode(decode, prompt, "own-2", first, fetched, 3)
     assert seq2.num_cached_tokens == 64  # the 4 full blocks, from its own prefix cache
+    after = decode.stats()
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(prompt)
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 64
     assert seq2.output_token_ids == seq1.output_token_ids
 
 
