@@ -10,7 +10,11 @@ import torch
 
 from services.engine.attention import AttentionMetadata, get_attention_backend
 from services.engine.config import EngineArgs, ModelConfig
-from services.engine.model.cpu_packing import mkl_packing_available, pack_linears
+from services.engine.model.cpu_packing import (
+    buckets_for,
+    mkl_packing_available,
+    pack_linears,
+)
 from services.engine.model.loader import load_model
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
@@ -38,7 +42,7 @@ class ModelRunner:
         self.attn = get_attention_backend(args.attention_backend, device)
         self.model = load_model(model_config, self.attn, dtype, device, max_model_len)
         if device.type == "cpu" and dtype == torch.float32 and mkl_packing_available():
-            pack_linears(self.model, rows=args.max_num_seqs)
+            pack_linears(self.model, buckets_for(args.max_num_seqs))
         # One contiguous region per block, all layers together: a block exports as one buffer.
         # kv: [num_blocks, num_layers, 2 (k, v), num_kv_heads, block_size, head_dim]
         # Kernels see each layer as [num_blocks, block_size, num_kv_heads, head_dim] views
