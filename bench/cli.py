@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="comma-separated maximum concurrencies, one run each, e.g. 1,4,16",
     )
+    sweep.add_argument(
+        "--prompts-per-concurrency",
+        type=int,
+        default=None,
+        metavar="K",
+        help="at concurrency c send only the first min(num_prompts, K*c) prompts of the "
+        "workload (low concurrencies take long; the prompts stay the same ones); "
+        "default: all at every concurrency",
+    )
     sweep.set_defaults(func=_cmd_sweep)
 
     plot = sub.add_parser("plot", help="draw latency CDFs and sweep curves from result files")
@@ -350,9 +359,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     sessions = _sessions(args)
     runs, completed = [], 0
+    if args.prompts_per_concurrency is not None and args.prompts_per_concurrency < 1:
+        raise SystemExit("--prompts-per-concurrency must be 1 or more")
     for concurrency in args.concurrencies:
         print(f"\nmax concurrency {concurrency}:", flush=True)
-        result, metrics = _serve_once(args, sessions, concurrency)
+        some = sessions
+        if args.prompts_per_concurrency:
+            some = sessions[: args.prompts_per_concurrency * concurrency]
+        result, metrics = _serve_once(args, some, concurrency)
         runs.append(result)
         completed += metrics.completed
     if args.result_file:

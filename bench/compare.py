@@ -162,41 +162,31 @@ def free_port() -> int:
 
 
 def start_pdserve_disagg(system: System, model: Path, timeout: float) -> str:
-    """kvstore, prefill on core 0, decode on core 1, gateway; returns the REST base URL."""
-    engine = ["--model", str(model), "--dtype", "float32", "--num-threads", "1"]
-    kv = system.start("kvstore", [PDSERVE, "kvstore", "--port", "0", "--capacity-bytes", "2GiB"])
-    kv_addr = wait_ready_line(kv, "kvstore", timeout)
-    prefill = system.start(
-        "prefill",
-        ["taskset", "-c", "0", PDSERVE, "prefill", "--port", "0", "--kvstore", kv_addr, *engine],
-    )
-    decode = system.start(
-        "decode", ["taskset", "-c", "1", PDSERVE, "decode", "--port", "0", *engine]
-    )
-    prefill_addr = wait_ready_line(prefill, "prefill", timeout)
-    decode_addr = wait_ready_line(decode, "decode", timeout)
-    gateway = system.start(
-        "gateway",
-        [PDSERVE, "gateway", "--port", "0", "--http-port", "0", "--model", str(model)]
-        + ["--prefill", prefill_addr, "--decode", decode_addr],
-    )
-    return "http://" + wait_ready_line(gateway, "gateway-http", timeout)
+    """`pdserve up` with 1 prefill + 1 decode worker (each pinned to one core by `up`),
+    Redis, a kvstore and the gateway: what a user starts. Returns the REST base URL."""
+    return _pdserve_up(system, model, timeout, ["--prefill", "1", "--decode", "1"])
 
 
 def start_pdserve_colocated(system: System, model: Path, timeout: float) -> str:
-    """One decode worker on both cores that prefills too, behind a gateway."""
-    decode = system.start(
-        "decode",
-        [PDSERVE, "decode", "--port", "0", "--model", str(model)]
-        + ["--dtype", "float32", "--num-threads", "2"],
+    """`pdserve up --disaggregation off`: one decode worker on both cores prefills too."""
+    return _pdserve_up(
+        system, model, timeout, ["--disaggregation", "off", "--prefill", "0", "--decode", "1"]
     )
-    decode_addr = wait_ready_line(decode, "decode", timeout)
-    gateway = system.start(
-        "gateway",
-        [PDSERVE, "gateway", "--port", "0", "--http-port", "0", "--model", str(model)]
-        + ["--disaggregation", "off", "--decode", decode_addr],
-    )
-    return "http://" + wait_ready_line(gateway, "gateway-http", timeout)
+
+
+def _pdserve_up(system: System, model: Path, timeout: float, pools: list[str]) -> str:
+    argv = [PDSERVE, "up", *pools, "--port", "0", "--http-port", "0", "--model", str(model)]
+    up = system.start("up", [*argv, "--dtype", "float32"])
+    pattern = re.compile(r"^\s*REST\s+(http://\S+)/v1$", re.M)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = pattern.search(up.log.read_text(errors="replace"))
+        if m:
+            return m.group(1)
+        if up.proc.poll() is not None:
+            raise StartFailed(f"pdserve up exited with {up.proc.returncode}:\n{up.tail()}")
+        time.sleep(0.5)
+    raise StartFailed(f"pdserve up: not ready in {timeout:.0f}s:\n{up.tail()}")
 
 
 def start_vllm(system: System, model: Path, timeout: float) -> str:
@@ -264,6 +254,7 @@ def sweep_argv(args: argparse.Namespace, url: str, model: Path, label: str, out:
         "--num-prompts": args.num_prompts,
         "--seed": args.seed,
         "--concurrencies": ",".join(map(str, args.concurrencies)),
+        "--prompts-per-concurrency": args.prompts_per_concurrency,
         "--label": label,
         "--result-file": out,
     }
@@ -356,8 +347,9 @@ def markdown(summary: dict) -> str:
         "",
         f"{summary['date']}. Machine: {summary['machine']}. Model: {summary['model']}.",
         f"Workload: random prompts of {a['random_input_len']} tokens, "
-        f"{a['random_output_len']} output tokens (EOS ignored), {a['num_prompts']} prompts "
-        f"per concurrency; medians of {a['repeats']} repeat(s). One system at a time.",
+        f"{a['random_output_len']} output tokens (EOS ignored), at concurrency c the first "
+        f"min({a['num_prompts']}, {a.get('prompts_per_concurrency')}·c) prompts of one "
+        f"seeded set; medians of {a['repeats']} repeat(s). One system at a time.",
         "pdserve and transformers run float32 (the faster dtype on this CPU, which has no "
         "AMX); vLLM runs bfloat16 (its CPU build's usual dtype).",
         "",
@@ -403,6 +395,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=None, help="default: the prepared SmolLM2")
     ap.add_argument("--concurrencies", type=_ints, default=[1, 4, 16])
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument(
+        "--prompts-per-concurrency",
+        type=int,
+        default=16,
+        help="at concurrency c, the first min(num-prompts, K*c) prompts (c=1: 16 prompts)",
+    )
     ap.add_argument("--random-input-len", type=int, default=256)
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
