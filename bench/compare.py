@@ -76,6 +76,7 @@ class Process:
     argv: list[str]
     proc: subprocess.Popen
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the environment
 
     def tail(self, chars: int = 2000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
@@ -101,7 +102,7 @@ class System:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 start_new_session=True,  # its own process group, stopped as one
             )
-        process = Process(name, argv, proc, log)
+        process = Process(name, argv, proc, log, dict(env or {}))
         self.processes.append(process)
         return process
 
@@ -117,7 +118,10 @@ class System:
         self.processes.clear()
 
     def commands(self) -> list[str]:
-        return [_shell(p.argv) for p in self.processes]
+        return [
+            " ".join([*(f"{k}={v}" for k, v in p.env.items()), _shell(p.argv)])
+            for p in self.processes
+        ]
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -370,7 +374,9 @@ def markdown(summary: dict) -> str:
 
 
 def _cell(value: float) -> str:
-    return f"{value:.0f}" if isinstance(value, int) or value >= 100 else f"{value:.1f}"
+    if float(value).is_integer() or value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}"
 
 
 def _shell(argv: list[str]) -> str:

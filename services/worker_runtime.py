@@ -71,7 +71,9 @@ def engine_publisher(
     )
 
     async def load() -> dict:
-        s = await engine.call(lambda e: e.stats())
+        # Read between steps or not: counters and lengths, never torn under the GIL, and
+        # no wait behind a long step.
+        s = e.stats()
         return {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,

@@ -152,6 +152,8 @@ class RegistryPublisher:
         self._resync = True
         self._down_since: float | None = None
         self._task: asyncio.Task | None = None
+        self._drain: asyncio.Future | None = None
+        self._drain_full = False
         self._stopping = False
 
     async def start(self) -> None:
@@ -167,12 +169,8 @@ class RegistryPublisher:
     async def beat(self) -> None:
         """One heartbeat: renew the entry with fresh load; apply block events (all blocks
         when re-registering). Never raises for Redis trouble: it logs once per outage."""
+        full, stored, evicted = await self._gather()
         try:
-            if self._load is not None:
-                for name, value in (await self._load()).items():
-                    setattr(self.info, name, value)
-            full = self._resync
-            stored, evicted = await self._blocks(full) if self._blocks else ([], [])
             self.info.seq += 1
             self.info.updated_at = time.time()
             old = await asyncio.wait_for(self._write(full, stored, evicted), timeout=2.0)
@@ -191,17 +189,39 @@ class RegistryPublisher:
                 "registry: Redis is back after %.1f s", time.monotonic() - self._down_since
             )
             self._down_since = None
-        self._resync = False
+        if full:
+            self._resync = False
+        elif old is None:
+            # Our entry was missing: a Redis restart, or an expiry. The block set may be
+            # gone with it: rewrite it in full at the next beat.
+            self._resync = True
         if old is None:
-            # Our entry was missing: a first registration, a Redis restart, or an expiry.
-            # The block set may be gone with it, so rewrite it in full right away.
-            if not full:
-                self._resync = True
-                await self.beat()
             with contextlib.suppress(*_redis_errors()):
                 await self._redis.publish(
                     self.keys.events, json.dumps({"kind": "up", "id": self.info.worker_id})
                 )
+
+    async def _gather(self) -> tuple[bool, list[bytes], list[bytes]]:
+        """The worker's load, and its block events when the engine has handed them over.
+
+        The drain runs on the engine thread between steps; a beat waits for it at most one
+        interval and otherwise goes out without block changes (a later beat writes them),
+        so a long engine step never holds up the heartbeat. Returns (full, stored, evicted).
+        """
+        if self._load is not None:
+            for name, value in (await self._load()).items():
+                setattr(self.info, name, value)
+        if self._blocks is None:
+            return self._resync, [], []
+        if self._drain is None:
+            self._drain_full = self._resync
+            self._drain = asyncio.ensure_future(self._blocks(self._drain_full))
+        await asyncio.wait({self._drain}, timeout=self.interval_s)
+        if not self._drain.done():
+            return False, [], []
+        drain, self._drain = self._drain, None
+        stored, evicted = drain.result()
+        return self._drain_full, stored, evicted
 
     async def _write(self, full: bool, stored: list[bytes], evicted: list[bytes]):
         ttl_ms = int(self.ttl_s * 1000)
@@ -220,6 +240,8 @@ class RegistryPublisher:
     async def stop(self) -> None:
         """Deregister (delete the entry and block set, announce ``down``) and stop beating."""
         self._stopping = True
+        if self._drain is not None:
+            self._drain.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

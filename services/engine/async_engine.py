@@ -100,12 +100,21 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
+        def settle(result: object, error: BaseException | None) -> None:
+            if fut.done():  # the caller stopped waiting (cancelled, or timed out)
+                return
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
         def run() -> None:
             try:
                 result = fn(self.engine)
-                loop.call_soon_threadsafe(fut.set_result, result)
             except BaseException as e:  # noqa: BLE001
-                loop.call_soon_threadsafe(fut.set_exception, e)
+                loop.call_soon_threadsafe(settle, None, e)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
 
         self._commands.put(run)
         return await fut

@@ -4,7 +4,6 @@ every workload, a sweep, the plots, and a server that refuses every request."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
@@ -19,14 +18,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def chat_model(tiny_llama_path, tmp_path_factory):
-    # The tiny tokenizer has no chat template: give it a minimal one.
-    model = tmp_path_factory.mktemp("bench") / "m"
-    shutil.copytree(tiny_llama_path, model)
-    (model / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    )
-    return model
+def chat_model(tiny_chat_llama_path):
+    return tiny_chat_llama_path
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,13 @@ length, and bad requests get OpenAI-shaped errors.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import selectors
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import openai
 import pytest
 import torch
+
+from tests.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
@@ -28,53 +22,25 @@ PROMPT = "the quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama_path, tmp_path_factory) -> Path:
-    # The tiny tokenizer has no chat template: give it a minimal one.
-    model = tmp_path_factory.mktemp("hf-server") / MODEL_NAME
-    shutil.copytree(tiny_llama_path, model)
-    (model / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    )
-    return model
+def model_dir(tiny_chat_llama_path) -> Path:
+    return tiny_chat_llama_path  # named `tiny`, with a chat template
 
 
 @pytest.fixture(scope="module")
 def base_url(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("hf-server-log") / "hf_server.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.hf_server", "--model", str(model_dir), "--port", "0"]
-            + ["--num-threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "50"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
+    c = Cluster(tmp_path_factory.mktemp("hf-server-log"))
     try:
-        yield f"http://{_wait_ready(proc, log, timeout=60)}/v1"
+        server = c.start(
+            "hf-server",
+            "bench.hf_server",
+            "--model",
+            str(model_dir),
+            *("--num-threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "50"),
+            timeout=60,
+        )
+        yield f"http://{server.address}/v1"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"hf_server exited with {proc.returncode}:\n{log.read_text()}")
-        if sel.select(timeout=0.5):
-            m = re.match(r"^READY hf-server (\S+)$", proc.stdout.readline().strip())
-            if m:
-                return m.group(1)
-    raise TimeoutError(f"hf_server not ready after {timeout:.0f}s:\n{log.read_text()}")
+        c.stop_all()
 
 
 @pytest.fixture(scope="module")

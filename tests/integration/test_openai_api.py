@@ -4,7 +4,6 @@ gateway (gRPC + REST) -> prefill worker -> kvstore -> decode worker."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from contextlib import asynccontextmanager
 
@@ -30,14 +29,8 @@ PROMPT_IDS = [11, 57, 203, 9, 140, 33, 77, 5, 300, 41]
 
 
 @pytest.fixture(scope="module")
-def chat_model(tiny_llama_path, tmp_path_factory):
-    # The tiny tokenizer has no chat template: give it a minimal one.
-    model = tmp_path_factory.mktemp("openai") / "m"
-    shutil.copytree(tiny_llama_path, model)
-    (model / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    )
-    return model
+def chat_model(tiny_chat_llama_path):
+    return tiny_chat_llama_path
 
 
 @pytest.fixture(scope="module")

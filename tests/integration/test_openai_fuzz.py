@@ -6,7 +6,6 @@ Run it alone with `make test ARGS="-k fuzz"`.
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import httpx
@@ -23,12 +22,8 @@ RESPONSE_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def fuzz_gateway(tiny_llama_path, tmp_path_factory):
-    chat_model = tmp_path_factory.mktemp("fuzz") / "m"
-    shutil.copytree(tiny_llama_path, chat_model)
-    (chat_model / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    )
+def fuzz_gateway(tiny_chat_llama_path, tmp_path_factory):
+    chat_model = tiny_chat_llama_path
     c = Cluster(tmp_path_factory.mktemp("fuzz-logs"))
     model = ["--model", str(chat_model)]
     try:
