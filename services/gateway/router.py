@@ -7,7 +7,8 @@ policy (the default) each live candidate whose model matches the gateway's is sc
     cost(w) = prefix_weight * uncached_blocks(w) + load_weight * load_blocks(w)
 
 - ``uncached_blocks``: the prompt's blocks minus the longest prefix of them that w's
-  prefix cache holds (from the registry's block sets): the prefill work w would do.
+  prefix cache holds (from the registry's block sets, or, sooner, from the prompts this
+  gateway itself sent w in the last 10 s): the prefill work w would do.
 - ``load_blocks``: KV blocks in use on w: the larger of what w last reported and the
   blocks of this gateway's own requests in flight on w (reports are up to a heartbeat
   old; a burst of requests would otherwise all land on one worker).
@@ -29,7 +30,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -132,6 +133,7 @@ class Router:
         self._inflight_blocks: Counter[str] = Counter()
         self._inflight_requests: Counter[str] = Counter()
         self.routed: Counter[tuple[str, str]] = Counter()  # (role, worker id) -> requests
+        self._sent = SentBlocks()
 
     def candidates(self, role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerInfo]:
         """Live workers of the pool that serve the gateway's model; NoWorkerError if none."""
@@ -157,6 +159,9 @@ class Router:
             return self._route(role, workers[turn % len(workers)], prompt, 0)
         hashes = _hashes_by_block_size(prompt, self.fingerprint)
         cached = await self.pools.prefix_lengths(workers, hashes) if self.fingerprint else {}
+        for w in workers:  # what this gateway sent lately, not yet in the registry
+            sent = self._sent.prefix_length(w.worker_id, hashes(w.block_size or 16))
+            cached[w.worker_id] = max(cached.get(w.worker_id, 0), sent)
         n = len(workers)
 
         def key(i: int) -> tuple[float, int, int]:
@@ -171,6 +176,7 @@ class Router:
             return cost, self._inflight_requests[w.worker_id], (i - turn) % n
 
         best = workers[min(range(n), key=key)]
+        self._sent.remember(best.worker_id, hashes(best.block_size or 16))
         return self._route(role, best, prompt, cached.get(best.worker_id, 0))
 
     def _route(self, role: str, worker: WorkerInfo, prompt: Sequence[int], cached: int) -> Route:
@@ -196,6 +202,41 @@ class Router:
 
     def mark_unreachable(self, route: Route) -> None:
         self.pools.mark_unreachable(route.worker.worker_id)
+
+
+class SentBlocks:
+    """Block hashes of prompts this gateway sent to each worker in the last ``ttl_s``.
+
+    A worker publishes the blocks it computed a heartbeat or two after computing them;
+    a family of prompts arriving faster than that would otherwise scatter before the
+    first one's blocks show up in the registry. Bounded per worker, oldest out first.
+    """
+
+    def __init__(self, ttl_s: float = 10.0, max_per_worker: int = 1 << 16) -> None:
+        self.ttl_s = ttl_s
+        self.max_per_worker = max_per_worker
+        self._sent: dict[str, OrderedDict[bytes, float]] = {}
+
+    def remember(self, worker_id: str, hashes: Sequence[bytes]) -> None:
+        sent = self._sent.setdefault(worker_id, OrderedDict())
+        until = time.monotonic() + self.ttl_s
+        for h in hashes:
+            sent[h] = until
+            sent.move_to_end(h)
+        while len(sent) > self.max_per_worker:
+            sent.popitem(last=False)
+
+    def prefix_length(self, worker_id: str, hashes: Sequence[bytes]) -> int:
+        sent = self._sent.get(worker_id)
+        if not sent:
+            return 0
+        now = time.monotonic()
+        n = 0
+        for h in hashes:
+            if sent.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n
 
 
 def _hashes_by_block_size(

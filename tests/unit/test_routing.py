@@ -140,3 +140,26 @@ def test_rendezvous_spreads_keys_and_adding_a_replica_moves_only_its_share():
     assert all(rendezvous_owner(k, shuffled).worker_id == after[k] for k in keys[:200])
     with pytest.raises(LookupError, match="no kvstore"):
         rendezvous_owner(keys[0], [])
+
+
+async def test_prompts_sent_lately_count_before_the_registry_shows_them():
+    pools = Pools([decode("a"), decode("b")], {})  # the registry knows of no block yet
+    router = Router(pools, fingerprint=FP)
+    family = list(range(128))
+    picks = {(await router.pick("decode", family + [500 + i])).worker.worker_id for i in range(4)}
+    assert len(picks) == 1  # the family stays where its first prompt went
+    rr = Router(Pools([decode("a"), decode("b")], {}), RoutingPolicy("round-robin"), FP)
+    picks = {(await rr.pick("decode", family + [500 + i])).worker.worker_id for i in range(4)}
+    assert picks == {"a", "b"}
+
+
+def test_sent_blocks_expire_and_stay_bounded():
+    from services.gateway.router import SentBlocks
+
+    sent = SentBlocks(ttl_s=60, max_per_worker=3)
+    sent.remember("w", [b"a", b"b", b"c", b"d"])
+    assert sent.prefix_length("w", [b"a"]) == 0  # the oldest went out
+    assert sent.prefix_length("w", [b"b", b"c", b"d", b"e"]) == 3
+    gone = SentBlocks(ttl_s=-1)
+    gone.remember("w", [b"a"])
+    assert gone.prefix_length("w", [b"a"]) == 0
