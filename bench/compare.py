@@ -131,16 +131,21 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def wait_ready_line(p: Process, service: str, timeout: float) -> str:
     """The address of the first `READY <service> <addr>` line the process logs."""
-    pattern = re.compile(rf"^READY {re.escape(service)} (\S+)$", re.M)
+    return wait_log_match(p, rf"^READY {re.escape(service)} (\S+)$", timeout)
+
+
+def wait_log_match(p: Process, pattern: str, timeout: float) -> str:
+    """Group 1 of the first line of the process's log matching ``pattern``."""
+    compiled = re.compile(pattern, re.M)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        m = pattern.search(p.log.read_text(errors="replace"))
+        m = compiled.search(p.log.read_text(errors="replace"))
         if m:
             return m.group(1)
         if p.proc.poll() is not None:
             raise StartFailed(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
         time.sleep(0.5)
-    raise StartFailed(f"{p.name}: no READY {service} in {timeout:.0f}s:\n{p.tail()}")
+    raise StartFailed(f"{p.name}: no line matching {pattern!r} in {timeout:.0f}s:\n{p.tail()}")
 
 
 def wait_http_ok(p: Process, url: str, timeout: float) -> None:
@@ -181,16 +186,7 @@ def start_pdserve_colocated(system: System, model: Path, timeout: float) -> str:
 def _pdserve_up(system: System, model: Path, timeout: float, pools: list[str]) -> str:
     argv = [PDSERVE, "up", *pools, "--port", "0", "--http-port", "0", "--model", str(model)]
     up = system.start("up", [*argv, "--dtype", "float32"])
-    pattern = re.compile(r"^\s*REST\s+(http://\S+)/v1$", re.M)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = pattern.search(up.log.read_text(errors="replace"))
-        if m:
-            return m.group(1)
-        if up.proc.poll() is not None:
-            raise StartFailed(f"pdserve up exited with {up.proc.returncode}:\n{up.tail()}")
-        time.sleep(0.5)
-    raise StartFailed(f"pdserve up: not ready in {timeout:.0f}s:\n{up.tail()}")
+    return wait_log_match(up, r"^\s*REST\s+(http://\S+)/v1$", timeout)
 
 
 def start_vllm(system: System, model: Path, timeout: float) -> str:

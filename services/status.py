@@ -9,22 +9,12 @@ import json
 import sys
 import time
 
-from services.common.env import env_default
-from services.common.registry import DEFAULT_PREFIX, ROLES, RegistryView, WorkerInfo
+from services.common.registry import ROLES, RegistryView, WorkerInfo, add_redis_args
 
 
 def add_status_args(parser: argparse.ArgumentParser) -> None:
     """``--redis-url``, ``--redis-prefix`` and ``--json``."""
-    parser.add_argument(
-        "--redis-url",
-        default=env_default("redis_url"),
-        help="the cluster's Redis, e.g. redis://127.0.0.1:6379/0 [env PDSERVE_REDIS_URL]",
-    )
-    parser.add_argument(
-        "--redis-prefix",
-        default=env_default("redis_prefix", DEFAULT_PREFIX),
-        help="key prefix of the cluster's registry",
-    )
+    add_redis_args(parser, "the cluster's Redis")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 

@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from services.common.env import env_default
+from services.common.registry import add_redis_args
 from services.engine.config import EngineArgs
 from services.supervisor import Child, Supervisor, child_setup, cpu_slices, poll_ready
 
@@ -83,13 +84,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     )
     add("--port", type=int, default=50051, help="the gateway's gRPC port; 0: any free port")
     add("--http-port", type=int, default=8000, help="the OpenAI REST port; 0: any free one")
-    add(
-        "--redis-url",
-        default=env_default("redis_url"),
-        help="use this running Redis instead of starting one [env PDSERVE_REDIS_URL]",
-    )
+    add_redis_args(parser, "use this running Redis instead of starting one")
     add("--redis-port", type=int, default=0, help="port of the Redis started here; 0: any free")
-    add("--redis-prefix", default="pdserve", help="key prefix of this cluster's registry")
     add("--kvstore-capacity", default="2GiB", help="memory of the kvstore for KV blocks")
     add(
         "--local-prefill-threshold",

@@ -478,22 +478,28 @@ def rendezvous_owner(key: bytes, replicas: Iterable[WorkerInfo]) -> WorkerInfo:
     return best
 
 
+def add_redis_args(parser, url_help: str) -> None:
+    """``--redis-url`` (what it is for: ``url_help``) and ``--redis-prefix``."""
+    from services.common.env import env_default
+
+    parser.add_argument(
+        "--redis-url",
+        default=env_default("redis_url"),
+        help=f"{url_help} (e.g. redis://127.0.0.1:6379/0) [env PDSERVE_REDIS_URL]",
+    )
+    parser.add_argument(
+        "--redis-prefix",
+        default=env_default("redis_prefix", DEFAULT_PREFIX),
+        help="key prefix of the registry in Redis: clusters sharing one Redis use different ones",
+    )
+
+
 def add_registry_args(parser: argparse.ArgumentParser) -> None:
     """``--redis-url``, ``--redis-prefix``, ``--registry-ttl`` and ``--advertise-address``."""
     from services.common.env import env_default
 
     g = parser.add_argument_group("control plane")
-    g.add_argument(
-        "--redis-url",
-        default=env_default("redis_url"),
-        help="register in this Redis (e.g. redis://127.0.0.1:6379/0) so gateways find this "
-        "process; unset: no registry [env PDSERVE_REDIS_URL]",
-    )
-    g.add_argument(
-        "--redis-prefix",
-        default=env_default("redis_prefix", DEFAULT_PREFIX),
-        help="key prefix in Redis: clusters sharing one Redis use different prefixes",
-    )
+    add_redis_args(g, "register in this Redis so gateways find this process; unset: no registry")
     g.add_argument(
         "--registry-ttl",
         type=float,

@@ -21,7 +21,7 @@ requests more than the others. The lowest cost wins; ties go to the worker with 
 flight, then to the next in turn. A worker holding a hot prefix thus takes requests only
 until its extra load outweighs the prefill it saves, so no one worker gets everything.
 ``round-robin`` ignores caches and load. Fixed-address pools have no block sets: there
-the prefix policy reduces to least-loaded.
+only the prompts this gateway sent count as cached.
 """
 
 from __future__ import annotations

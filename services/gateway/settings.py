@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from services.common.env import env_default
+from services.common.registry import add_redis_args
 from services.gateway.requests import DEFAULT_MAX_TOKENS
 
 
@@ -204,16 +205,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
 
     g = parser.add_argument_group("routing")
-    g.add_argument(
-        "--redis-url",
-        default=env_default("redis_url"),
-        help="take the prefill, decode and kvstore pools from the registry in this Redis "
-        "(e.g. redis://127.0.0.1:6379/0) instead of --prefill/--decode [env PDSERVE_REDIS_URL]",
-    )
-    g.add_argument(
-        "--redis-prefix",
-        default=env_default("redis_prefix", "pdserve"),
-        help="key prefix of the registry in Redis",
+    add_redis_args(
+        g,
+        "take the prefill, decode and kvstore pools from the registry in this Redis instead "
+        "of --prefill/--decode",
     )
     g.add_argument(
         "--routing",

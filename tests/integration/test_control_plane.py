@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from services.common.block_hash import model_fingerprint, prompt_block_hashes
 from services.common.grpc_utils import aio_channel
 from services.common.pb import (
     common_pb2,
@@ -288,6 +289,22 @@ async def test_prefix_aware_routing_hits_the_cache_more_than_round_robin(
     print(f"prefix-cache hit rate: {rates}; largest share of requests: {shares}")
     assert rates["prefix"] > rates["round-robin"]
     assert shares["prefix"] <= 0.70
+    # The routing also stands on the registry's block sets (not only on what a gateway
+    # remembers sending): every family's 8 prefix blocks are listed for some worker.
+    fingerprint = model_fingerprint(tiny_llama_path)
+    view = RegistryView(url, prefix=prefix)
+    await view.start()
+    try:
+        for head in {tuple(p[:128]) for p in families(1)}:
+            hashes = prompt_block_hashes(list(head), 16, fingerprint)
+
+            async def listed(hashes=hashes):
+                held = await view.prefix_lengths(view.workers("decode"), lambda bs: hashes)
+                return max(held.values(), default=0) == 8
+
+            await until(listed, timeout=5, what="the family's blocks in a registry block set")
+    finally:
+        await view.close()
 
 
 async def test_short_prompts_skip_the_prefill_pool_with_identical_output(
