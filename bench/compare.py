@@ -342,14 +342,21 @@ def markdown(summary: dict) -> str:
             cells = " | ".join(_cell(values[c]) for c, _, _ in COLUMNS)
             rows.append(f"| {entry['system']} | {concurrency} | {cells} |")
     a = summary["args"]
+    per_c = a.get("prompts_per_concurrency")
+    if per_c is None or per_c * min(a["concurrencies"]) >= a["num_prompts"]:
+        prompts = f"the same {a['num_prompts']} prompts (seed {a['seed']}) at every concurrency"
+    else:
+        prompts = (
+            f"at concurrency c the first min({a['num_prompts']}, {per_c}·c) prompts of one "
+            f"seeded set (seed {a['seed']})"
+        )
     lines = [
         "## Serving comparison: pdserve, vLLM (CPU), transformers",
         "",
         f"{summary['date']}. Machine: {summary['machine']}. Model: {summary['model']}.",
         f"Workload: random prompts of {a['random_input_len']} tokens, "
-        f"{a['random_output_len']} output tokens (EOS ignored), at concurrency c the first "
-        f"min({a['num_prompts']}, {a.get('prompts_per_concurrency')}·c) prompts of one "
-        f"seeded set; medians of {a['repeats']} repeat(s). One system at a time.",
+        f"{a['random_output_len']} output tokens (EOS ignored), {prompts}; "
+        f"medians of {a['repeats']} repeat(s). One system at a time.",
         "pdserve and transformers run float32 (the faster dtype on this CPU, which has no "
         "AMX); vLLM runs bfloat16 (its CPU build's usual dtype).",
         "",
@@ -366,6 +373,8 @@ def markdown(summary: dict) -> str:
         if "error" in entry:
             lines.append(f"Failed: `{entry['error'].splitlines()[0]}`")
     lines.append("![output throughput by concurrency](compare_throughput.png)")
+    lines.append("")
+    lines.append("(The plot draws the last repeat of each system; the table gives the medians.)")
     return "\n".join(lines)
 
 
