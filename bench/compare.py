@@ -9,11 +9,13 @@ Four systems, started one at a time on this machine (never two at once: it has
 - hf: bench/hf_server.py, transformers with static batching.
 
 Each one gets the same `pdserve bench sweep` (random 256 -> 128 tokens, 64 prompts,
-concurrencies 1, 4, 16 by default), --repeats times; the table reports medians.
+concurrencies 1, 4, 16 by default), --repeats times; the table reports medians. With
+all 64 prompts at every concurrency one repeat of the four systems takes about an hour
+on a 2-core machine; --prompts-per-concurrency K sends only K*c prompts at concurrency c.
 Result JSONs go to bench/out/compare/; --write-results also updates a section of
 bench/RESULTS.md and copies the throughput plot to bench/compare_throughput.png.
 
-    bench/compare.sh --repeats 3 --write-results
+    bench/compare.sh --repeats 2 --write-results
     bench/compare.sh --systems hf,pdserve-colocated --num-prompts 4 --concurrencies 1,2 \\
         --random-input-len 32 --random-output-len 8            # a smoke run
 """
@@ -254,10 +256,11 @@ def sweep_argv(args: argparse.Namespace, url: str, model: Path, label: str, out:
         "--num-prompts": args.num_prompts,
         "--seed": args.seed,
         "--concurrencies": ",".join(map(str, args.concurrencies)),
-        "--prompts-per-concurrency": args.prompts_per_concurrency,
         "--label": label,
         "--result-file": out,
     }
+    if args.prompts_per_concurrency is not None:
+        flags["--prompts-per-concurrency"] = args.prompts_per_concurrency
     return bench_argv("sweep", url, model, flags)
 
 
@@ -372,6 +375,7 @@ def markdown(summary: dict) -> str:
         lines.append("```")
         if "error" in entry:
             lines.append(f"Failed: `{entry['error'].splitlines()[0]}`")
+    lines.append("")
     lines.append("![output throughput by concurrency](compare_throughput.png)")
     lines.append("")
     lines.append("(The plot draws the last repeat of each system; the table gives the medians.)")
@@ -409,8 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--prompts-per-concurrency",
         type=int,
-        default=16,
-        help="at concurrency c, the first min(num-prompts, K*c) prompts (c=1: 16 prompts)",
+        default=None,
+        help="at concurrency c, only the first min(num-prompts, K*c) prompts, to save time "
+        "(default: all num-prompts at every concurrency)",
     )
     ap.add_argument("--random-input-len", type=int, default=256)
     ap.add_argument("--random-output-len", type=int, default=128)
