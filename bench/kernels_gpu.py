@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench.results_md import replace_section  # noqa: E402
 from kernels import attention_ref as ref  # noqa: E402
 from kernels import triton_attention as tk  # noqa: E402
+from kernels.triton_common import _interpreting  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Kernel vs reference on the GPU, same inputs. fp32 runs the IEEE (non-TF32) dot path.
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kernels_gpu: no CUDA device; this benchmark runs on a GPU only.", file=sys.stderr)
         return 2
-    if not tk.TRITON_AVAILABLE or tk._interpreting():
+    if not tk.TRITON_AVAILABLE or _interpreting():
         print(
             "kernels_gpu: needs triton installed and TRITON_INTERPRET unset.",
             file=sys.stderr,

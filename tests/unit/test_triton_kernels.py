@@ -9,7 +9,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util  # noqa: E402
+import importlib  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -18,10 +18,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+import kernels  # noqa: E402
 from kernels import attention_ref as ref  # noqa: E402
 from kernels import triton_attention as tk  # noqa: E402
+from kernels import triton_decode  # noqa: E402
 
-_INTERPRETED = type(tk._decode_split_kernel).__name__ == "InterpretedFunction"
+_INTERPRETED = type(triton_decode._decode_split_kernel).__name__ == "InterpretedFunction"
 if _INTERPRETED:
     DEVICE = torch.device("cpu")
 elif torch.cuda.is_available():
@@ -300,9 +302,11 @@ def test_write_kv_skips_negative_slots() -> None:
 def test_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    spec = importlib.util.spec_from_file_location("_triton_attention_no_triton", tk.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # The backend and the modules it imports load afresh; monkeypatch puts the loaded ones back.
+    for name in [n for n in sys.modules if n.startswith("kernels.triton_")]:
+        monkeypatch.delitem(sys.modules, name)
+        monkeypatch.delattr(kernels, name.removeprefix("kernels."))
+    module = importlib.import_module("kernels.triton_attention")
 
     assert module.TRITON_AVAILABLE is False
     with pytest.raises(RuntimeError, match="triton is not installed"):
