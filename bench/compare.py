@@ -23,13 +23,9 @@ bench/RESULTS.md and copies the throughput plot to bench/compare_throughput.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
+from services.common.launcher import Child, Launcher, StartFailed, free_port  # noqa: E402
 
 PDSERVE = str(ROOT / ".venv/bin/pdserve")
 PYTHON = str(ROOT / ".venv/bin/python")
@@ -66,110 +63,42 @@ COLUMNS = (
 )
 
 
-class StartFailed(Exception):
-    """A server that exited or did not get ready before its deadline."""
-
-
-@dataclass
-class Process:
-    """A started server process, in its own process group, logging to a file."""
-
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen
-    log: Path
-    env: dict[str, str] = field(default_factory=dict)  # set on top of the environment
-
-    def tail(self, chars: int = 2000) -> str:
-        return self.log.read_text(errors="replace")[-chars:]
-
-
 @dataclass
 class System:
-    """The processes of one system under test, started in order and stopped in reverse."""
+    """The processes of one system under test (a Launcher's children), stopped together."""
 
     name: str
-    log_dir: Path
-    processes: list[Process] = field(default_factory=list)
+    launcher: Launcher
+    commands: list[str] = field(default_factory=list)  # as run, with their extra env
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
-        log = self.log_dir / f"{self.name}-{name}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                start_new_session=True,  # its own process group, stopped as one
-            )
-        process = Process(name, argv, proc, log, dict(env or {}))
-        self.processes.append(process)
-        return process
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        timeout: float,
+        expect: list[str] | None = None,
+        probe_url: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Child:
+        """Start ``argv`` and wait until it printed its READY lines or ``probe_url`` answers."""
+        self.commands.append(
+            " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), _shell(argv)])
+        )
+        probe = (lambda: _http_ok(probe_url)) if probe_url else None
+        child = self.launcher.start(f"{self.name}-{name}", argv, expect or [], probe=probe, env=env)
+        self.launcher.wait_ready([child], timeout)
+        return child
 
     def stop(self) -> None:
-        for p in reversed(self.processes):
-            _signal_group(p.proc, signal.SIGTERM)
-        for p in reversed(self.processes):
-            try:
-                p.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                _signal_group(p.proc, signal.SIGKILL)
-                p.proc.wait()
-        self.processes.clear()
-
-    def commands(self) -> list[str]:
-        return [
-            " ".join([*(f"{k}={v}" for k, v in p.env.items()), _shell(p.argv)])
-            for p in self.processes
-        ]
+        self.launcher.stop_all(timeout=20)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)  # pgid == pid: started with start_new_session
-
-
-def wait_ready_line(p: Process, service: str, timeout: float) -> str:
-    """The address of the first `READY <service> <addr>` line the process logs."""
-    return wait_log_match(p, rf"^READY {re.escape(service)} (\S+)$", timeout)
-
-
-def wait_log_match(p: Process, pattern: str, timeout: float) -> str:
-    """Group 1 of the first line of the process's log matching ``pattern``."""
-    compiled = re.compile(pattern, re.M)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = compiled.search(p.log.read_text(errors="replace"))
-        if m:
-            return m.group(1)
-        if p.proc.poll() is not None:
-            raise StartFailed(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
-        time.sleep(0.5)
-    raise StartFailed(f"{p.name}: no line matching {pattern!r} in {timeout:.0f}s:\n{p.tail()}")
-
-
-def wait_http_ok(p: Process, url: str, timeout: float) -> None:
-    """Poll ``url`` until it answers 200."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise StartFailed(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise StartFailed(f"{p.name}: {url} not answering after {timeout:.0f}s:\n{p.tail()}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def start_pdserve_disagg(system: System, model: Path, timeout: float) -> str:
@@ -186,9 +115,11 @@ def start_pdserve_colocated(system: System, model: Path, timeout: float) -> str:
 
 
 def _pdserve_up(system: System, model: Path, timeout: float, pools: list[str]) -> str:
-    argv = [PDSERVE, "up", *pools, "--port", "0", "--http-port", "0", "--model", str(model)]
-    up = system.start("up", [*argv, "--dtype", "float32"])
-    return wait_log_match(up, r"^\s*REST\s+(http://\S+)/v1$", timeout)
+    port = free_port()
+    argv = [PDSERVE, "up", *pools, "--port", "0", "--http-port", str(port), "--model", str(model)]
+    url = f"http://127.0.0.1:{port}"
+    system.start("up", [*argv, "--dtype", "float32"], timeout, probe_url=url + "/v1/models")
+    return url
 
 
 def start_vllm(system: System, model: Path, timeout: float) -> str:
@@ -198,20 +129,17 @@ def start_vllm(system: System, model: Path, timeout: float) -> str:
     argv = [str(VLLM_VENV / "bin/vllm"), "serve", str(model), "--dtype", "bfloat16"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", model.name]
     argv += ["--max-model-len", "2048"]
-    server = system.start("vllm", argv, env=VLLM_ENV)
     url = f"http://127.0.0.1:{port}"
-    wait_http_ok(server, url + "/v1/models", timeout)
+    system.start("vllm", argv, timeout, probe_url=url + "/v1/models", env=VLLM_ENV)
     return url
 
 
 def start_hf(system: System, model: Path, timeout: float) -> str:
     """bench/hf_server.py: transformers, float32, static batches of up to 16."""
-    server = system.start(
-        "hf",
-        [PYTHON, "-m", "bench.hf_server", "--model", str(model), "--port", "0"]
-        + ["--dtype", "float32", "--max-batch-size", "16"],
-    )
-    return "http://" + wait_ready_line(server, "hf-server", timeout)
+    argv = [PYTHON, "-m", "bench.hf_server", "--model", str(model), "--port", "0"]
+    argv += ["--dtype", "float32", "--max-batch-size", "16"]
+    server = system.start("hf", argv, timeout, expect=["hf-server"])
+    return "http://" + server.address
 
 
 STARTERS = {
@@ -274,13 +202,13 @@ def warm_up(url: str, model: Path, log: Path) -> None:
 
 def run_system(args: argparse.Namespace, name: str, model: Path) -> dict:
     """Start one system, run the sweep --repeats times, stop it; returns its summary."""
-    system = System(name, OUT / "logs")
+    system = System(name, Launcher(OUT / "logs", cwd=ROOT))
     entry: dict = {"system": name, "result_files": [], "commands": []}
     t0 = time.monotonic()
     try:
         url = STARTERS[name](system, model, args.startup_timeout)
         entry["startup_s"] = round(time.monotonic() - t0, 1)
-        entry["commands"] = system.commands()
+        entry["commands"] = list(system.commands)
         print(f"[{name}] ready at {url} after {entry['startup_s']} s", flush=True)
         bench_log = OUT / "logs" / f"{name}-bench.log"
         bench_log.write_text("")
@@ -300,7 +228,7 @@ def run_system(args: argparse.Namespace, name: str, model: Path) -> dict:
             entry["error"] = f"the benchmark wrote no result; see {bench_log}"
     except (StartFailed, subprocess.SubprocessError, OSError) as error:
         entry["error"] = f"{type(error).__name__}: {error}"
-        entry["commands"] = entry["commands"] or system.commands()
+        entry["commands"] = entry["commands"] or list(system.commands)
     finally:
         system.stop()
     if "error" in entry:
@@ -450,9 +378,9 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from services.engine.prepare_model import resolve_model
+    from services.common.model import locate_model
 
-    model = resolve_model(str(args.model) if args.model else None)
+    model = locate_model(str(args.model) if args.model else None)
     (OUT / "logs").mkdir(parents=True, exist_ok=True)
     summary = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),

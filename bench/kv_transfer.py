@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from services.common.grpc_utils import STREAM_CHUNK_BYTES  # noqa: E402
+from services.common.kv_client import KVStoreClient  # noqa: E402
+from services.common.launcher import Child, Launcher  # noqa: E402
 from services.common.pb import common_pb2  # noqa: E402
-from services.kvstore.client import KVStoreClient  # noqa: E402
-from services.kvstore.launch import start_kvstore  # noqa: E402
 
 # SmolLM2-135M's KV block: 30 layers, 3 KV heads, head dim 64, 16 tokens per block.
 SMOLLM2_LAYOUT = common_pb2.BlockLayout(
@@ -126,15 +127,22 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def start_kvstore(launcher: Launcher, capacity_bytes: int) -> Child:
+    """A kvstore process of ``capacity_bytes`` on a free port, once it serves."""
+    argv = [sys.executable, "-m", "services.kvstore", "--port", "0"]
+    argv += ["--capacity-bytes", str(capacity_bytes)]
+    return launcher.start_ready("kvstore", argv, ["kvstore"], timeout=30)
+
+
 def measure_ttft(address: str, prompt_lens: list[int], repeats: int, timeout: float) -> list[dict]:
     """Prefill -> export -> put (the TTFT path), then get -> import (before decode), per length."""
     import random
 
-    from services.engine.config import EngineArgs
+    from services.common.config import EngineArgs
+    from services.common.sampling import SamplingParams
+    from services.common.wire import layout_to_proto
     from services.engine.engine import LLMEngine
     from services.engine.prepare_model import resolve_model
-    from services.engine.sampling_params import SamplingParams
-    from services.engine_proto import layout_to_proto
 
     path = str(resolve_model(None))
     args = EngineArgs(dtype="float32", max_model_len=4096, kv_cache_memory="1GiB")
@@ -146,8 +154,9 @@ def measure_ttft(address: str, prompt_lens: list[int], repeats: int, timeout: fl
     async def run_one(client, n: int, rid: str) -> dict:
         prompt = [rng.randrange(100, 40000) for _ in range(n)]
         t0 = time.perf_counter()
-        seq = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), rid)
-        seq.hold_blocks = True
+        seq = prefill.add_request(
+            prompt, SamplingParams(max_tokens=2, temperature=0), rid, prefill_only=True
+        )
         while prefill.has_unfinished():
             prefill.step()
         t1 = time.perf_counter()
@@ -240,22 +249,23 @@ def main() -> int:
     blocks = make_blocks(args.num_blocks, args.block_bytes)
     copy_s = [timed(lambda: copy_all(blocks)) for _ in range(args.repeats)]
 
+    launcher = Launcher(Path(tempfile.mkdtemp(prefix="kv-transfer-")))
     # Room for every block (and the warm-up), so that no run evicts.
-    kvstore = start_kvstore(capacity_bytes=total + 2 * STREAM_CHUNK_BYTES)
+    kvstore = start_kvstore(launcher, total + 2 * STREAM_CHUNK_BYTES)
     try:
         transfer = asyncio.run(
             measure_transfer(kvstore.address, blocks, args.repeats, args.timeout)
         )
     finally:
-        kvstore.stop()
+        launcher.stop([kvstore])
     ttft = []
     if not args.no_model:  # a fresh store: a kvstore holds one model's layout for life
-        kvstore = start_kvstore(capacity_bytes=2**30)
+        kvstore = start_kvstore(launcher, 2**30)
         try:
             lens = [int(x) for x in args.prompt_lens.split(",")]
             ttft = measure_ttft(kvstore.address, lens, args.repeats, args.timeout)
         finally:
-            kvstore.stop()
+            launcher.stop([kvstore])
 
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Sequence
 
-from services.common.registry import ROLES, RegistryView, WorkerInfo, add_redis_args
-
-
-def add_status_args(parser: argparse.ArgumentParser) -> None:
-    """``--redis-url``, ``--redis-prefix`` and ``--json``."""
-    add_redis_args(parser, "the cluster's Redis")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+from services.common.command_config import StatusSettings
+from services.common.logs import configure_logging
+from services.common.registry import ROLES, WorkerInfo
+from services.common.registry_view import RegistryView
+from services.common.settings import parse_settings
 
 
 async def read_workers(url: str, prefix: str) -> list[WorkerInfo]:
@@ -131,19 +129,26 @@ def format_tables(workers: list[WorkerInfo], now: float) -> str:
     return "\n".join(out)
 
 
-def run(ns: argparse.Namespace) -> int:
-    """Print the registry once; exit 1 when Redis does not answer."""
-    if not ns.redis_url:
-        print("pdserve status: error: pass --redis-url (printed by `pdserve up`)", file=sys.stderr)
-        return 2
+def main(argv: Sequence[str] | None = None) -> int:
+    """`pdserve status`: print the registry once; exit 1 when Redis does not answer."""
+    settings = parse_settings(
+        StatusSettings,
+        argv,
+        prog="pdserve status",
+        description="Read the registry in Redis once and print a table per pool (prefill, "
+        "decode, kvstore): address, model, running and waiting requests, KV blocks in use, "
+        "prefix cache hits, kvstore bytes, and the age of each entry's last heartbeat.",
+    )
+    configure_logging(settings.log)
+    redis = settings.redis
     try:
-        workers = asyncio.run(read_workers(ns.redis_url, ns.redis_prefix))
+        workers = asyncio.run(read_workers(redis.redis_url, redis.redis_prefix))
     except ConnectionError as e:
         print(f"pdserve status: error: {e}; is the cluster up?", file=sys.stderr)
         return 1
     now = time.time()
-    if ns.json:
-        print(json.dumps({"redis_url": ns.redis_url, **status_json(workers, now)}, indent=2))
+    if settings.json_output:
+        print(json.dumps({"redis_url": redis.redis_url, **status_json(workers, now)}, indent=2))
     else:
         print(format_tables(workers, now), end="")
     return 0

@@ -1,98 +1,54 @@
-"""Start pdserve services as real processes on 127.0.0.1 for tests, and stop them."""
+"""Start pdserve services as real processes on 127.0.0.1 for tests, and stop them (by PID),
+with the one launcher `pdserve up` uses."""
 
 from __future__ import annotations
 
 import os
-import re
-import selectors
 import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.launcher import Child, Launcher
+
 ROOT = Path(__file__).resolve().parents[1]
-_READY = re.compile(r"^READY ([\w-]+) (\S+)$")
 
 
-@dataclass
-class Service:
-    """A started service: its process, address and captured log file."""
-
-    name: str
-    proc: subprocess.Popen
-    address: str
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-@dataclass
 class Cluster:
-    """Processes started by a test, stopped (by PID) at the end."""
+    """Processes started by a test, stopped at the end."""
 
-    log_dir: Path
-    services: list[Service] = field(default_factory=list)
-
-    def start(self, name: str, module: str, *args: str, timeout: float = 120.0) -> Service:
-        """Run ``python -m module --port 0 args...`` and wait for its READY line."""
-        log = self.log_dir / f"{name}.log"
+    def __init__(self, log_dir: Path) -> None:
         env = {
             **os.environ,
-            "PYTHONUNBUFFERED": "1",
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
             # A gateway's REST API on any free port, so that several gateways can run.
             "PDSERVE_HTTP_PORT": os.environ.get("PDSERVE_HTTP_PORT", "0"),
         }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--port", "0", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=open(log, "w"),  # noqa: SIM115 (closed with the process)
-            text=True,
-            env=env,
-        )
-        address = self._wait_ready(proc, name, log, timeout)
-        svc = Service(name, proc, address, log)
-        self.services.append(svc)
-        return svc
+        self.launcher = Launcher(log_dir, env=env, cwd=ROOT)
 
-    def _wait_ready(self, proc: subprocess.Popen, name: str, log: Path, timeout: float) -> str:
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            if sel.select(timeout=0.5):
-                line = proc.stdout.readline().strip()
-                m = _READY.match(line)
-                if m:
-                    return m.group(2)
-        proc.kill()
-        raise TimeoutError(f"{name} not ready after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+    @property
+    def services(self) -> list[Child]:
+        return self.launcher.children
+
+    def start(self, name: str, module: str, *args: str, timeout: float = 120.0) -> Child:
+        """Run ``python -m module --port 0 args...`` and wait for its READY line(s): a gateway
+        also owes ``READY gateway-http`` unless its REST API is off."""
+        expect = [module.rsplit(".", 1)[-1].replace("_", "-")]
+        if expect == ["gateway"] and not _rest_off(args):
+            expect.append("gateway-http")
+        argv = [sys.executable, "-m", module, "--port", "0", *args]
+        return self.launcher.start_ready(name, argv, expect, timeout=timeout)
 
     def address(self, name: str) -> str:
         """The address of the started service called ``name``."""
         return next(s.address for s in self.services if s.name == name)
 
-    def stop(self, svc: Service, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if svc.proc.poll() is None:
-            svc.proc.send_signal(sig)
-            try:
-                svc.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                svc.proc.kill()
-                svc.proc.wait(timeout=5)
+    def stop(self, svc: Child, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Send ``sig``, wait up to ``timeout`` s (then SIGKILL); its exit code."""
+        self.launcher.stop([svc], timeout, sig)
         return svc.proc.returncode
 
     def stop_all(self) -> None:
-        for svc in reversed(self.services):
-            self.stop(svc)
+        self.launcher.stop_all()
 
     def unhandled_errors(self) -> list[str]:
         """Log lines of every service that show an unhandled exception."""
@@ -104,13 +60,6 @@ class Cluster:
         return bad
 
 
-def http_ready_line(gateway: Service) -> str:
-    """The REST address from a gateway's second READY line (``start`` reads only the first).
-
-    The gateway prints it right after the first; if it died instead, readline gets EOF.
-    (No select() here: the line may already sit in the pipe reader's buffer.)"""
-    line = gateway.proc.stdout.readline().strip()
-    match = re.fullmatch(r"READY gateway-http (\S+)", line)
-    if not match:
-        raise RuntimeError(f"expected the gateway's HTTP READY line, got {line!r}")
-    return match.group(1)
+def _rest_off(args: tuple[str, ...]) -> bool:
+    joined = " ".join(args)
+    return "--http-port -1" in joined or "--http-port=-1" in joined

@@ -69,6 +69,11 @@ async def start_server(
     return server, port
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def aio_channel(address: str) -> grpc.aio.Channel:
     """An insecure aio channel with the project's message limits and keepalives."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

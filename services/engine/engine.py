@@ -4,34 +4,23 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
 
 import torch
 
+from services.common.config import EngineArgs
+from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
+from services.common.model import ModelConfig, check_prompt
+from services.common.sampling import SamplingParams, TokenLogprobs
+from services.common.sizes import parse_size
 from services.engine.block_pool import BlockPool
-from services.engine.config import EngineArgs, ModelConfig, parse_size, resolve_dtype
+from services.engine.config import resolve_device, resolve_dtype
 from services.engine.kv_cache_manager import KVCacheManager, cdiv
-from services.engine.kv_transfer import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
 from services.engine.model_runner import ModelRunner
-from services.engine.sampling_params import SamplingParams
+from services.engine.outputs import EngineInfo, EngineStats, StepOutput
 from services.engine.scheduler import Scheduler, SchedulerConfig
-from services.engine.sequence import Sequence, TokenLogprobs
+from services.engine.sequence import PREFILLED, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters a user or a test reads: cache hits, preemptions, blocks."""
-
-    num_total_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_running: int
-    num_waiting: int
 
 
 class LLMEngine:
@@ -41,10 +30,10 @@ class LLMEngine:
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        self.device = args.resolved_device()
+        self.device = resolve_device(args)
         self.model_config = cfg = ModelConfig.from_dir(model_path)
         self.dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype, self.device)
-        self.max_model_len = self._max_model_len(args, cfg)
+        self.max_model_len = cfg.max_model_len(args.max_model_len)
         block_bytes = ModelRunner.block_bytes(cfg, args.block_size, self.dtype)
         num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // block_bytes
         if num_blocks * args.block_size < self.max_model_len:
@@ -69,7 +58,8 @@ class LLMEngine:
             self.kv_cache,
         )
         self._seqs: dict[str, Sequence] = {}
-        self._held: dict[str, Sequence] = {}  # finished, blocks kept for export
+        self._held: dict[str, Sequence] = {}  # prefilled, blocks kept for export
+        self._importing: dict[str, Sequence] = {}  # prefix held, waiting for fetched blocks
         self.num_imported_blocks = 0
         self.num_imported_bytes = 0
         logger.info(
@@ -85,79 +75,65 @@ class LLMEngine:
             self.runner.attn.name,
         )
 
-    @staticmethod
-    def _max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:
-            limit = min(limit, cfg.sliding_window)
-        if args.max_model_len is None:
-            return limit
-        if args.max_model_len > limit:
-            raise ValueError(
-                f"--max-model-len {args.max_model_len} exceeds what the model supports ({limit})"
-            )
-        return args.max_model_len
-
     def add_request(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        prefill_only: bool = False,
     ) -> Sequence:
-        """Queue a request; raise ValueError for a prompt the engine cannot serve."""
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(prompt_token_ids)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            eos_token_ids=self.model_config.eos_token_ids,
-        )
-        self._seqs[request_id] = seq
+        """Queue a request; raise ValueError for a prompt the engine cannot serve.
+
+        ``prefill_only`` (prefill workers): finish after the first token, with PREFILLED
+        unless that token already ends the request, and keep the prompt's blocks until
+        ``export_prompt_blocks``.
+        """
+        seq = self._new_sequence(prompt_token_ids, params, request_id or uuid.uuid4().hex)
+        seq.prefill_only = prefill_only
+        self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        """Refuse an empty prompt, bad token ids, or one that leaves no room to generate."""
-        if len(token_ids) == 0:
-            raise ValueError("the prompt is empty: send at least one token")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but --max-model-len is "
-                f"{self.max_model_len}: it must be shorter to leave room for output"
-            )
+    def _new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str) -> Sequence:
+        if request_id in self._seqs or request_id in self._importing:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        check_prompt(prompt, self.max_model_len, self.model_config.vocab_size)
+        return Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            params=params,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request and free its blocks at once."""
+        """Cancel a request wherever it is (queued, running, importing, prefilled) and free
+        its blocks at once."""
         seq = self.scheduler.abort(request_id)
         self._seqs.pop(request_id, None)
+        for parked in (self._importing, self._held):
+            held = parked.pop(request_id, None)
+            if held is not None:
+                self.kv_cache.free(held)
+                seq = seq or held
         return seq is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Run one step. Returns (sequences that got a token, sequences that finished)."""
+    def step(self) -> StepOutput:
+        """Run one step: schedule, execute, and advance the requests by what was sampled."""
         batch = self.scheduler.schedule()
         if not batch:
-            return [], []
-        results = self.runner.execute(batch)
-        sampled = [None if r is None else r[0] for r in results]
-        for seq, r in zip(batch.seqs, results, strict=True):
-            if r is not None and r[1] is not None and seq.logprobs is not None:
-                seq.logprobs.append(r[1])
-        finished = self.scheduler.update(batch, sampled)
+            return StepOutput([], [])
+        output = self.runner.execute(batch)
+        finished = self.scheduler.update(batch, output)
         for seq in finished:
             self._seqs.pop(seq.request_id, None)
-            if seq.hold_blocks:
+            if seq.finish_reason == PREFILLED:
                 self._held[seq.request_id] = seq
-        advanced = [s for s, t in zip(batch.seqs, sampled, strict=True) if t is not None]
-        return advanced, finished
+        advanced = [s for s, t in zip(batch.seqs, output.token_ids, strict=True) if t is not None]
+        return StepOutput(advanced, finished)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -169,6 +145,19 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_imported_blocks=self.num_imported_blocks,
+            num_imported_bytes=self.num_imported_bytes,
+        )
+
+    def info(self) -> EngineInfo:
+        """What this engine is (model, layout, sizes): fixed for its life."""
+        return EngineInfo(
+            model_name=self.model_config.path.name,
+            fingerprint=self.model_config.fingerprint,
+            layout=self.block_layout(),
+            num_total_blocks=self.pool.num_blocks,
+            max_num_seqs=self.args.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
 
     # --- KV transfer -------------------------------------------------------------
@@ -186,7 +175,7 @@ class LLMEngine:
         )
 
     def export_prompt_blocks(self, request_id: str) -> list[ExportedBlock]:
-        """The prompt blocks of a finished ``hold_blocks`` request, then its blocks are freed."""
+        """The prompt blocks of a PREFILLED request, then its blocks are freed."""
         seq = self._held.pop(request_id)
         try:
             bs = self.args.block_size
@@ -202,12 +191,6 @@ class LLMEngine:
         finally:
             self.kv_cache.free(seq)
 
-    def release_held(self, request_id: str) -> None:
-        """Free a held request's blocks without exporting them."""
-        seq = self._held.pop(request_id, None)
-        if seq is not None:
-            self.kv_cache.free(seq)
-
     def drain_block_events(self, full: bool) -> tuple[list[bytes], list[bytes]]:
         """Hashes the prefix cache stored and evicted since the last call, for a prefix index;
         with ``full``, every hash it holds now (and no evictions): a fresh start."""
@@ -216,14 +199,61 @@ class LLMEngine:
             return self.pool.cached_hashes(), []
         return stored, evicted
 
-    def local_prefix_hashes(self, hashes: list[bytes]) -> int:
-        """How many leading full-block hashes this engine's prefix cache holds."""
-        n = 0
-        for h in hashes:
-            if self.pool.lookup(h) is None:
+    def begin_import(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        first_token: int,
+        first_logprob: TokenLogprobs | None,
+    ) -> int:
+        """Take in a request prefilled elsewhere, whose first token is known: hold the blocks
+        of its prompt that this engine's prefix cache has, and return how many there are.
+        ``finish_import`` then adds the blocks fetched for the rest, and queues it."""
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq.append_token(first_token, first_logprob)
+        num_local = self.kv_cache.take_cached_prefix(seq)
+        self._importing[request_id] = seq
+        return num_local
+
+    def finish_import(self, request_id: str, fetched: dict[bytes, bytes]) -> Sequence:
+        """Import the ``fetched`` blocks (by key) that continue the held prefix; what neither
+        covers is recomputed here. Queues the request, or finishes it if its first token
+        already ends it."""
+        seq = self._importing.pop(request_id)
+        bs, n = self.args.block_size, seq.num_prompt_tokens
+        held = len(seq.block_table)
+        blocks: list[tuple[bytes, bytes | None]] = []  # (data, hash to cache)
+        for h in self.kv_cache.update_block_hashes(seq)[held : n // bs]:
+            if bytes(h) not in fetched:
                 break
-            n += 1
-        return n
+            blocks.append((fetched[bytes(h)], h))
+        covered = (held + len(blocks)) * bs
+        if covered == (n // bs) * bs and n % bs and tail_key(request_id) in fetched:
+            blocks.append((fetched[tail_key(request_id)], None))
+            covered = n
+        try:
+            imported = self.kv_cache.import_blocks(seq, blocks, self.runner.write_block)
+        except BaseException:
+            self.kv_cache.free(seq)
+            raise
+        if not imported:  # no room now: what is not held is recomputed when scheduled
+            blocks, covered = [], held * bs
+        seq.num_computed_tokens = covered
+        seq.num_cached_tokens = held * bs
+        seq.num_imported_tokens = covered - held * bs
+        if seq.block_table:  # else the scheduler looks the prompt up (and counts it) itself
+            self.kv_cache.record_lookup(n, held * bs)
+        self.num_imported_blocks += len(blocks)
+        self.num_imported_bytes += sum(len(data) for data, _ in blocks)
+        self._seqs[request_id] = seq
+        reason = seq.check_stop(self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish_now(seq, reason)
+            self._seqs.pop(request_id, None)
+        else:
+            self.scheduler.add(seq)
+        return seq
 
     def add_imported_request(
         self,
@@ -234,62 +264,6 @@ class LLMEngine:
         first_logprob: TokenLogprobs | None,
         fetched: dict[bytes, bytes],
     ) -> Sequence:
-        """Queue a request prefilled elsewhere: its first token is known, and its prompt's KV
-        comes from this engine's own prefix cache, then from ``fetched`` blocks; whatever is
-        in neither is recomputed here."""
-        if request_id in self._seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(prompt_token_ids)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            eos_token_ids=self.model_config.eos_token_ids,
-        )
-        bs, n = self.args.block_size, len(prompt_token_ids)
-        hashes = self.kv_cache.update_block_hashes(seq)[: n // bs]
-        hits = []
-        for h in hashes:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hits.append(block)
-        imports: list[tuple[bytes, bytes | None]] = []  # (data, hash to index)
-        for h in hashes[len(hits) :]:
-            if bytes(h) not in fetched:
-                break
-            imports.append((fetched[bytes(h)], h))
-        covered = (len(hits) + len(imports)) * bs
-        if covered == (n // bs) * bs and n % bs and tail_key(request_id) in fetched:
-            imports.append((fetched[tail_key(request_id)], None))
-            covered = n
-        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
-        if revived + len(imports) > self.pool.num_free_blocks:  # no room now: recompute later
-            hits, imports, covered = [], [], 0
-        if hits or imports:
-            self.pool.touch(hits)
-            new_blocks = self.pool.allocate(len(imports))
-            for block, (data, block_hash) in zip(new_blocks, imports, strict=True):
-                self.runner.write_block(block, data)
-                if block_hash is not None:
-                    self.pool.cache(block, block_hash)
-            seq.block_table = hits + new_blocks
-            self.kv_cache.mark_cached(seq, len(hits) + sum(h is not None for _, h in imports))
-            self.num_imported_blocks += len(imports)
-            self.num_imported_bytes += sum(len(d) for d, _ in imports)
-        seq.num_computed_tokens = covered
-        seq.num_cached_tokens = len(hits) * bs
-        seq.num_imported_tokens = covered - len(hits) * bs
-        if hits or imports:  # else the scheduler looks the prompt up (and counts it) itself
-            self.kv_cache.record_lookup(n, len(hits) * bs)
-        seq.append_token(first_token)
-        if seq.logprobs is not None and first_logprob is not None:
-            seq.logprobs.append(first_logprob)
-        self._seqs[request_id] = seq
-        reason = seq.check_stop(self.max_model_len)
-        if reason is not None:
-            self.scheduler.finish_now(seq, reason)
-            self._seqs.pop(request_id, None)
-        else:
-            self.scheduler.add(seq)
-        return seq
+        """``begin_import`` and ``finish_import`` at once (the blocks are already here)."""
+        self.begin_import(prompt_token_ids, params, request_id, first_token, first_logprob)
+        return self.finish_import(request_id, fetched)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.common.block_hash import BlockHash, hash_block
 from services.engine.block_pool import BlockPool
 from services.engine.sequence import Sequence
@@ -95,9 +97,44 @@ class KVCacheManager:
             self.pool.cache(seq.block_table[i], hashes[i])
         self._num_cached_blocks[seq.request_id] = num_full
 
-    def mark_cached(self, seq: Sequence, num_blocks: int) -> None:
-        """Record that ``seq``'s first ``num_blocks`` blocks are already indexed."""
-        self._num_cached_blocks[seq.request_id] = num_blocks
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """Hold the cached blocks of ``seq``'s longest cached prefix as its first blocks, before
+        it is scheduled (a request whose KV comes from elsewhere); returns how many."""
+        hits = self.get_computed_blocks(seq)
+        self.pool.touch(hits)
+        seq.block_table = list(hits)
+        self._num_cached_blocks[seq.request_id] = len(hits)
+        return len(hits)
+
+    def import_blocks(
+        self,
+        seq: Sequence,
+        blocks: list[tuple[bytes, BlockHash | None]],
+        write: Callable[[int, bytes], None],
+    ) -> bool:
+        """Append blocks whose KV another engine computed to ``seq``'s table: each gets a free
+        block, filled by ``write(block_id, data)``; one with a hash joins the prefix cache
+        (a prompt's partial tail has none and comes last).
+
+        Returns False, changing nothing, when the pool has too few free blocks; a failing
+        ``write`` frees what this call took and raises.
+        """
+        if len(blocks) > self.pool.num_free_blocks:
+            return False
+        new = self.pool.allocate(len(blocks))
+        try:
+            for block_id, (data, _) in zip(new, blocks, strict=True):
+                write(block_id, data)
+        except BaseException:
+            self.pool.free(new)
+            raise
+        for block_id, (_, block_hash) in zip(new, blocks, strict=True):
+            if block_hash is not None and self.enable_prefix_caching:
+                self.pool.cache(block_id, block_hash)
+        seq.block_table.extend(new)
+        hashed = sum(h is not None for _, h in blocks) if self.enable_prefix_caching else 0
+        self._num_cached_blocks[seq.request_id] = len(seq.block_table) - len(new) + hashed
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so that its prefix stays cached longest."""

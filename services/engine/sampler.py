@@ -7,7 +7,8 @@ import hashlib
 
 import torch
 
-from services.engine.sequence import Sequence, TokenLogprobs
+from services.common.sampling import TokenLogprobs
+from services.engine.sequence import Sequence
 
 
 class Sampler:

@@ -10,7 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.outputs import ModelRunnerOutput
+from services.engine.sequence import PREFILLED, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -111,19 +112,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance the batch by its computed tokens, append sampled ones; return the finished.
-
-        ``sampled[i]`` is the new token of ``batch.seqs[i]``, or None when its step was a
-        prompt chunk that did not reach the end.
-        """
+    def update(self, batch: ScheduledBatch, output: ModelRunnerOutput) -> list[Sequence]:
+        """Advance the batch by its computed tokens, append sampled ones; return the finished."""
         finished = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+        for seq, n, token, logprobs in zip(
+            batch.seqs, batch.num_new_tokens, output.token_ids, output.logprobs, strict=True
+        ):
             seq.num_computed_tokens += n
             self.kv_cache.cache_full_blocks(seq)
             if token is None:
                 continue
-            seq.append_token(token)
+            seq.append_token(token, logprobs)
             reason = seq.check_stop(self.config.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
@@ -135,7 +134,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if not (seq.hold_blocks and reason != "abort"):
+        if reason != PREFILLED:  # a prefilled request's blocks wait for their export
             self.kv_cache.free(seq)
 
     def finish_now(self, seq: Sequence, reason: str) -> None:

@@ -6,8 +6,12 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from services.engine.block_pool import BlockHash
-from services.engine.sampling_params import SamplingParams
+from services.common.block_hash import BlockHash
+from services.common.sampling import SamplingParams, TokenLogprobs
+
+# The finish reason of a prefill worker's request: its first token is sampled and its
+# prompt's blocks are held for export; a decode worker generates the rest.
+PREFILLED = "prefilled"
 
 
 class SequenceStatus(enum.Enum):
@@ -17,15 +21,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probability of the sampled token and of the top-n candidates at one step."""
-
-    token_id: int
-    logprob: float
-    top: dict[int, float]
 
 
 _counter = itertools.count()
@@ -53,8 +48,9 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     arrival: int = field(default_factory=lambda: next(_counter))
     num_preemptions: int = 0
-    # Prefill workers keep a finished request's blocks until they are exported.
-    hold_blocks: bool = False
+    # Prefill workers: finish after the first token (PREFILLED) and keep the prompt's blocks
+    # until they are exported.
+    prefill_only: bool = False
     num_imported_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -79,13 +75,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        """Record a sampled token."""
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Record a sampled token (and its logprobs, if the request asked for them)."""
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
 
     def check_stop(self, max_model_len: int) -> str | None:
-        """The finish reason after the last appended token, or None to go on."""
+        """The finish reason after the last appended token, or None to go on.
+
+        The one stop check of pdserve: a prefill worker's first token meets it here too.
+        """
         last = self.output_token_ids[-1]
         p = self.params
         if self.num_output_tokens >= p.min_tokens:
@@ -95,4 +96,4 @@ class Sequence:
                 return "stop"
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
             return "length"
-        return None
+        return PREFILLED if self.prefill_only else None

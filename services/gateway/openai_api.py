@@ -7,7 +7,6 @@ A REST request becomes a ``GenerateRequest`` and goes through the same ``prepare
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -21,8 +20,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from services.common.pb import common_pb2, gateway_pb2
+from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission, Overloaded
 from services.gateway.generation import REQUEST_ERRORS, generate_many
+from services.gateway.metrics import gateway_metrics
 from services.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -35,6 +36,7 @@ from services.gateway.openai_protocol import (
     api_error_of,
     validation_message,
 )
+from services.gateway.openai_reply import Reply
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
 
@@ -49,7 +51,7 @@ class Served:
     and the front's guards: the API key (None: open), body size and admission bounds."""
 
     orchestrator: Orchestrator
-    tokenizer: Any
+    tokenizer: Tokenizer
     limits: ModelLimits
     model_name: str
     api_key: str | None = field(default=None, repr=False)
@@ -97,18 +99,9 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text: the gateway's admission state (later issues add latencies)."""
-        a = served.admission
-        lines = [
-            "# HELP pdserve:num_requests_running Generations running through this gateway.",
-            "# TYPE pdserve:num_requests_running gauge",
-            f'pdserve:num_requests_running{{model_name="{served.model_name}"}} {a.num_running}',
-            "# HELP pdserve:num_requests_waiting Requests queued for a generation slot.",
-            "# TYPE pdserve:num_requests_waiting gauge",
-            f'pdserve:num_requests_waiting{{model_name="{served.model_name}"}} {a.num_waiting}',
-        ]
-        lines += routing_metrics(served.orchestrator, served.model_name)
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        """Prometheus text: admission state and routing counters."""
+        body = gateway_metrics(served.admission, served.orchestrator, served.model_name)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -167,7 +160,7 @@ async def _complete(
         )
     request_id = request.state.request_id
     requests = _prepare_choices(served, body, proto, request_id)
-    reply = _Reply(
+    reply = Reply(
         id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
         model=served.model_name,
         created=int(time.time()),
@@ -320,192 +313,3 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     if task.cancelled():
         return {}  # nobody is listening
     return task.result()
-
-
-@dataclass(frozen=True)
-class _Reply:
-    """Builds OpenAI's response objects (whole or as SSE chunks) from generation messages."""
-
-    id: str
-    model: str
-    created: int
-    chat: bool
-    return_token_ids: bool
-    tokenizer: Any = None  # set when logprobs were asked for
-
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def logprobs(
-        self, lps: list[common_pb2.TokenLogprob], offset: int = 0
-    ) -> dict[str, Any] | None:
-        """OpenAI's logprobs object of a choice (chat or completions form), or None."""
-        if self.tokenizer is None:
-            return None
-        if self.chat:
-            content = []
-            for lp in lps:
-                token = self._token(lp.token_id)
-                top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-                content.append(
-                    {
-                        "token": token,
-                        "logprob": lp.logprob,
-                        "bytes": list(token.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": (t := self._token(i)),
-                                "logprob": v,
-                                "bytes": list(t.encode()),
-                            }
-                            for i, v in top
-                        ],
-                    }
-                )
-            return {"content": content}
-        tokens = [self._token(lp.token_id) for lp in lps]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [
-                {self._token(i): v for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
-                for lp in lps
-            ],
-            "text_offset": offsets,
-        }
-
-    async def whole(
-        self, chunks: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]], n: int
-    ) -> dict[str, Any]:
-        texts: list[list[str]] = [[] for _ in range(n)]
-        token_ids: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[common_pb2.TokenLogprob]] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        usages: list[common_pb2.Usage] = []
-        try:
-            async with aclosing(chunks):
-                async for index, chunk in chunks:
-                    texts[index].append(chunk.text)
-                    token_ids[index].extend(chunk.token_ids)
-                    lps[index].extend(chunk.logprobs)
-                    if chunk.finish_reason:
-                        finish[index] = _finish_reason(chunk.finish_reason)
-                        usages.append(chunk.usage)
-        except REQUEST_ERRORS as error:
-            raise api_error_of(error) from None
-        choices = []
-        for i in range(n):
-            choice: dict[str, Any] = {
-                "index": i,
-                "logprobs": self.logprobs(lps[i]),
-                "finish_reason": finish[i],
-            }
-            text = "".join(texts[i])
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            if self.return_token_ids:
-                choice["token_ids"] = token_ids[i]
-            choices.append(choice)
-        return {**self._head(), "choices": choices, "usage": _usage(usages)}
-
-    async def sse(
-        self,
-        chunks: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
-        n: int,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        usages: list[common_pb2.Usage] = []
-        try:
-            if self.chat:
-                for i in range(n):
-                    yield _event(self._chunk(i, {"role": "assistant", "content": ""}, None))
-            async with aclosing(chunks):
-                async for index, chunk in chunks:
-                    finish = _finish_reason(chunk.finish_reason) if chunk.finish_reason else None
-                    if finish:
-                        usages.append(chunk.usage)
-                    elif not chunk.text and not self.return_token_ids and not chunk.logprobs:
-                        continue  # tokens that complete no character yet
-                    body = self._chunk(
-                        index, {"content": chunk.text} if self.chat else chunk.text, finish
-                    )
-                    body["choices"][0]["logprobs"] = self.logprobs(list(chunk.logprobs))
-                    if self.return_token_ids:
-                        body["choices"][0]["token_ids"] = list(chunk.token_ids)
-                    yield _event(body)
-            if include_usage:
-                yield _event({**self._head(chunk=True), "choices": [], "usage": _usage(usages)})
-        except REQUEST_ERRORS as error:
-            yield _event(api_error_of(error).body())
-        yield "data: [DONE]\n\n"
-
-    def _head(self, chunk: bool = False) -> dict[str, Any]:
-        if self.chat:
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def _chunk(self, index: int, delta: Any, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
-        if self.chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
-        return {**self._head(chunk=True), "choices": [choice]}
-
-
-def _finish_reason(reason: str) -> str:
-    """OpenAI's two reasons: "length" when max_tokens ran out, else "stop" (EOS, stop token or string)."""
-    return "length" if reason == "length" else "stop"
-
-
-def _usage(usages: list[common_pb2.Usage]) -> dict[str, Any]:
-    """The request's usage: the prompt counted once, the choices' completions summed."""
-    prompt = usages[0].prompt_tokens if usages else 0
-    completion = sum(u.completion_tokens for u in usages)
-    cached = max((u.cached_prompt_tokens for u in usages), default=0)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-def routing_metrics(orchestrator: Orchestrator, model_name: str) -> list[str]:
-    """Prometheus lines: where prompts were prefilled, requests per worker, retries, pools."""
-    c, m = orchestrator.counters, f'model_name="{model_name}"'
-    lines = [
-        "# HELP pdserve:prefill_requests_total Prompts prefilled, by where: remote (the "
-        "prefill pool) or local (the decode worker, colocated or conditional).",
-        "# TYPE pdserve:prefill_requests_total counter",
-        f'pdserve:prefill_requests_total{{{m},where="remote"}} {c["prefill_remote"]}',
-        f'pdserve:prefill_requests_total{{{m},where="local"}} {c["prefill_local"]}',
-        "# HELP pdserve:worker_retries_total Calls retried on another worker after one was "
-        "unreachable.",
-        "# TYPE pdserve:worker_retries_total counter",
-        f"pdserve:worker_retries_total{{{m}}} {c['retries']}",
-        "# HELP pdserve:routed_requests_total Requests the router sent to each worker.",
-        "# TYPE pdserve:routed_requests_total counter",
-    ]
-    router = orchestrator.router
-    for (role, worker_id), n in sorted(router.routed.items()):
-        lines.append(f'pdserve:routed_requests_total{{{m},pool="{role}",worker="{worker_id}"}} {n}')
-    lines += [
-        "# HELP pdserve:pool_workers Live workers the gateway routes to, by pool.",
-        "# TYPE pdserve:pool_workers gauge",
-    ]
-    for role in ("prefill", "decode", "kvstore"):
-        lines.append(f'pdserve:pool_workers{{{m},pool="{role}"}} {len(router.pools.workers(role))}')
-    return lines

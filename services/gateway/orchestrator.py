@@ -3,11 +3,9 @@
 Disaggregated, the prefill worker computes the prompt's KV blocks, pushes them to the
 kvstore and samples the first token; the decode worker pulls the blocks and generates
 the rest. Colocated, the decode worker does both. Either way the caller sees one
-stream of ``DecodeResponse`` events, each token once, the first token first.
-
-The decode stream repeats the prefill's first token (decode.proto: it carries every
-generated token). The client gets that token as soon as the prefill answers, not after
-the KV transfer, so the repeat is dropped here.
+stream of ``DecodeResponse`` events, each token once, the first token first: the
+prefill's first token goes to the client as soon as the prefill answers, and the decode
+stream carries only the tokens after it (decode.proto).
 """
 
 from __future__ import annotations
@@ -127,14 +125,10 @@ class Orchestrator:
         address = route.address
         stub = decode_pb2_grpc.DecodeStub(self._channel(address))
         logger.debug("request %s: Decode on %s", request.request_id, address)
-        repeats_first = request.HasField("first_token_id")
         with self.router.track(route):
             call = stub.Decode(request, timeout=self.decode_timeout_s)
             try:
                 async for response in call:
-                    if repeats_first and response.token_ids:
-                        response = _without_first_token(response, request.first_token_id, address)
-                        repeats_first = False
                     yield response
                     if response.finish_reason:
                         return
@@ -242,20 +236,3 @@ def _hand_over(prefill: prefill_pb2.PrefillResponse, request: decode_pb2.DecodeR
     request.kvstore_address = prefill.kvstore_address
     request.layout.CopyFrom(prefill.layout)
     request.block_kvstore_addresses.extend(prefill.block_kvstore_addresses)
-
-
-def _without_first_token(
-    response: decode_pb2.DecodeResponse, first_token_id: int, address: str
-) -> decode_pb2.DecodeResponse:
-    """``response`` less its first token, which the client already has from the prefill."""
-    if response.token_ids[0] != first_token_id:
-        raise WorkerProtocolError(
-            f"decode worker {address} began its stream with token {response.token_ids[0]}, "
-            f"not the prefill's first token {first_token_id}"
-        )
-    trimmed = decode_pb2.DecodeResponse()
-    trimmed.CopyFrom(response)
-    del trimmed.token_ids[0]
-    if trimmed.logprobs:
-        del trimmed.logprobs[0]
-    return trimmed

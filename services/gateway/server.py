@@ -1,24 +1,32 @@
-"""The gateway's gRPC front: Generate and GenerateStream over the orchestrator."""
+"""The gateway: the gRPC front (Generate, GenerateStream) and the OpenAI REST API over the
+prefill and decode pools. It loads no torch: a checkpoint's config and tokenizer are all
+it reads of the model.
+
+    pdserve gateway --port 50051 --http-port 8000 --prefill HOST:PORT --decode HOST:PORT
+    pdserve gateway --redis-url URL          (the pools come from the registry)
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
-import signal
+import sys
+from collections.abc import Sequence
 from contextlib import aclosing
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 import grpc
 
-from services.common.grpc_utils import start_server
+from services.common.config import GatewaySettings
+from services.common.grpc_utils import host_port, start_server
+from services.common.model import ModelConfig, locate_model
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
+from services.common.registry_view import RegistryView
+from services.common.service import Serving, run_service
+from services.common.tokenizer import Tokenizer
 from services.gateway.generation import REQUEST_ERRORS, generate
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import InvalidRequest, ModelLimits, prepare
-from services.gateway.router import NoWorkerError, Router
-from services.gateway.settings import GatewaySettings, SettingsError
+from services.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +36,9 @@ SERVICE_NAME = "pdserve.v1.Gateway"
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Validates and tokenizes requests, runs them, and turns token streams into text."""
 
-    def __init__(self, orchestrator: Orchestrator, tokenizer: Any, limits: ModelLimits) -> None:
+    def __init__(
+        self, orchestrator: Orchestrator, tokenizer: Tokenizer, limits: ModelLimits
+    ) -> None:
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.limits = limits
@@ -81,144 +91,99 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"bug in a worker: {error}"
 
 
-def model_limits(path: Path, settings: GatewaySettings) -> ModelLimits:
-    """The served model's limits, with --max-model-len checked against the model's own."""
-    from services.engine.config import ModelConfig
-
+async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack) -> Serving:
+    """The model's tokenizer and limits, the router over the pools, then the REST socket (a
+    taken port stops the start before anything else) and the gRPC server."""
+    path = locate_model(settings.model)
     config = ModelConfig.from_dir(path)
-    limit = config.max_position_embeddings
-    if config.sliding_window:
-        limit = min(limit, config.sliding_window)
-    if settings.max_model_len is not None and settings.max_model_len > limit:
-        raise SettingsError(
-            f"--max-model-len {settings.max_model_len} exceeds what the model supports ({limit})"
-        )
-    return ModelLimits(
-        max_model_len=settings.max_model_len or limit,
+    limits = ModelLimits(
+        max_model_len=config.max_model_len(settings.max_model_len),
         vocab_size=config.vocab_size,
         max_tokens_default=settings.max_tokens_default,
     )
-
-
-async def serve(
-    host: str,
-    port: int,
-    prefill_addrs: list[str],
-    decode_addrs: list[str],
-    disaggregation: bool,
-    model: str | None = None,
-    **options: Any,
-) -> None:
-    """Run the gateway until SIGTERM or SIGINT, then drain and stop.
-
-    ``options`` are the other GatewaySettings fields (max_model_len, timeouts, ...).
-    Prints ``READY gateway HOST:PORT`` on stdout once it accepts calls, then
-    ``READY gateway-http HOST:HTTPPORT`` when the REST API is on (it is listening by then).
-    """
-    settings = GatewaySettings(
-        host=host,
-        port=port,
-        prefill_addrs=tuple(prefill_addrs),
-        decode_addrs=tuple(decode_addrs),
-        disaggregation=disaggregation,
-        model=model,
-        **options,
-    )
-    from transformers import AutoTokenizer
-
-    from services.engine.prepare_model import resolve_model
-
-    path = resolve_model(settings.model)
-    settings = replace(settings, model=str(path))
-    limits = model_limits(path, settings)
-    logger.info("gateway settings: %s; model limits: %s", settings, limits)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    router, view = await _router(settings, path)
+    logger.info("model %s; limits %s", path, limits)
+    tokenizer = Tokenizer.from_dir(path)
     orchestrator = Orchestrator(
-        router,
+        await _router(settings, config.fingerprint, resources),
         settings.disaggregation,
-        prefill_timeout_s=settings.prefill_timeout_s,
-        decode_timeout_s=settings.decode_timeout_s,
-        local_prefill_threshold=settings.local_prefill_threshold,
+        prefill_timeout_s=settings.prefill_timeout,
+        decode_timeout_s=settings.decode_timeout,
+        local_prefill_threshold=settings.routing.local_prefill_threshold,
     )
-    servicer = GatewayServicer(orchestrator, tokenizer, limits)
-    # The HTTP socket first: a taken port then stops the start before anything else runs.
+    resources.push_async_callback(orchestrator.close)
     http = None
     if settings.http_port >= 0:
-        from services.gateway.admission import Admission
-        from services.gateway.http import HttpServer
-        from services.gateway.openai_api import Served, create_app
-
-        served = Served(
-            orchestrator,
-            tokenizer,
-            limits,
-            settings.served_model_name or path.name,
-            api_key=settings.api_key,
-            max_body_bytes=settings.max_body_bytes,
-            admission=Admission(
-                settings.max_concurrent_requests,
-                settings.max_queued_requests,
-                settings.queue_timeout_s,
-            ),
-        )
-        http = await HttpServer.start(
-            create_app(served), settings.host, settings.http_port, settings.drain_timeout_s
-        )
-    try:
-        server, bound_port = await start_server(
-            f"{settings.host}:{settings.port}",
-            [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
-            [SERVICE_NAME],
-        )
-    except BaseException:
-        if http is not None:
-            await http.stop()
-        raise
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    print(f"READY gateway {settings.host}:{bound_port}", flush=True)
-    if http is not None:
-        print(f"READY gateway-http {settings.host}:{http.port}", flush=True)
-    try:
-        await stopping.wait()
-    finally:
-        logger.info("draining for up to %.0fs", settings.drain_timeout_s)
-        await server.health_servicer.enter_graceful_shutdown()
-        stops = [server.stop(grace=settings.drain_timeout_s)]
-        if http is not None:
-            stops.append(http.stop())
-        await asyncio.gather(*stops)
-        await orchestrator.close()
-        if view is not None:
-            await view.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-
-
-async def _router(settings, path):
-    """The router over the registry's pools (``--redis-url``) or the fixed addresses."""
-    from services.common.block_hash import model_fingerprint
-    from services.gateway.router import RoutingPolicy, StaticPools
-
-    policy = RoutingPolicy(
-        settings.routing, settings.route_prefix_weight, settings.route_load_weight
+        http = await _start_http(settings, orchestrator, tokenizer, limits, path.name)
+        resources.push_async_callback(http.stop)
+    servicer = GatewayServicer(orchestrator, tokenizer, limits)
+    server, port = await start_server(
+        host_port(settings.server.host, settings.server.port),
+        [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
     )
-    if not settings.redis_url:
-        pools = StaticPools(
-            settings.prefill_addrs if settings.disaggregation else (), settings.decode_addrs
-        )
-        return Router(pools, policy), None
-    from services.common.registry import RegistryView
+    resources.push_async_callback(server.stop, None)
+    serving = Serving(server, port)
+    if http is not None:
+        serving.ready_lines.append(("gateway-http", host_port(settings.server.host, http.port)))
+        serving.drains.append(lambda _grace: http.stop())
+    return serving
 
-    view = RegistryView(settings.redis_url, prefix=settings.redis_prefix)
+
+async def _start_http(settings: GatewaySettings, orchestrator, tokenizer, limits, model_dir_name):
+    """The OpenAI REST API on --http-port, with its guards."""
+    from services.gateway.admission import Admission
+    from services.gateway.http import HttpServer
+    from services.gateway.openai_api import Served, create_app
+
+    served = Served(
+        orchestrator,
+        tokenizer,
+        limits,
+        settings.served_model_name or model_dir_name,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        admission=Admission(
+            settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout
+        ),
+    )
+    return await HttpServer.start(
+        create_app(served), settings.server.host, settings.http_port, settings.server.drain_timeout
+    )
+
+
+async def _router(
+    settings: GatewaySettings, fingerprint: bytes, resources: contextlib.AsyncExitStack
+) -> Router:
+    """The router over the registry's pools (``--redis-url``) or the fixed addresses."""
+    routing = settings.routing
+    policy = RoutingPolicy(routing.routing, routing.route_prefix_weight, routing.route_load_weight)
+    redis = settings.redis
+    if not redis.redis_url:
+        prefill = settings.prefill_addrs if settings.disaggregation else ()
+        return Router(StaticPools(prefill, settings.decode_addrs), policy)
+    view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
     await view.start()
+    resources.push_async_callback(view.close)
     logger.info(
         "registry at %s: %d workers (%s)",
-        settings.redis_url,
+        redis.redis_url,
         len(view.workers()),
         "reachable" if view.redis_ok else "unreachable for now",
     )
-    return Router(view, policy, fingerprint=model_fingerprint(path)), view
+    return Router(view, policy, fingerprint=fingerprint)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`pdserve gateway`."""
+    return run_service(
+        "gateway",
+        GatewaySettings,
+        argv,
+        "The pdserve gateway: gRPC Generate/GenerateStream and the OpenAI REST API over "
+        "prefill and decode workers.",
+        start,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

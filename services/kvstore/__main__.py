@@ -1,7 +1,7 @@
-"""``python -m services.kvstore``: serve the KV block store."""
+"""``python -m services.kvstore``: `pdserve kvstore`."""
 
 import sys
 
-from services.kvstore.cli import main
+from services.kvstore.server import main
 
 sys.exit(main())

@@ -1,31 +1,30 @@
-"""The KVStore gRPC service over a BlockStore: streamed puts and gets of KV blocks."""
+"""The kvstore service: streamed puts and gets of KV blocks over one in-memory BlockStore.
+
+pdserve kvstore --port 50061 --capacity-bytes 2GiB [--redis-url URL]
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
-import signal
-from collections.abc import AsyncIterator, Callable
+import sys
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.common.grpc_utils import STREAM_CHUNK_BYTES, start_server
+from services.common.config import KVStoreSettings
+from services.common.grpc_utils import STREAM_CHUNK_BYTES, host_port, start_server
+from services.common.kv_blocks import BlockLayout, LayoutMismatch
+from services.common.kv_client import batched_by_bytes
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
-from services.common.registry import RegistryPublisher
-from services.engine.kv_transfer import BlockLayout
-from services.kvstore.batching import batched_by_bytes
-from services.kvstore.store import (
-    BlockStore,
-    LayoutMismatch,
-    StoredBlock,
-    layout_differences,
-    layout_of,
-)
+from services.common.registry_publisher import publisher_for
+from services.common.service import Serving, run_service
+from services.common.wire import layout_from_proto
+from services.kvstore.store import BlockStore, StoredBlock
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.KVStore"
-GRACE_S = 5.0
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -48,10 +47,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                         grpc.StatusCode.INVALID_ARGUMENT,
                         "the first PutBlocks message must carry the block layout",
                     )
-                layout = layout_of(request.layout)
-            elif request.HasField("layout") and layout_of(request.layout) != layout:
-                diffs = layout_differences(
-                    layout, layout_of(request.layout), "first message", "this message"
+                layout = layout_from_proto(request.layout)
+            elif request.HasField("layout") and layout_from_proto(request.layout) != layout:
+                diffs = layout.differences(
+                    layout_from_proto(request.layout), "first message", "this message"
                 )
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -78,7 +77,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "GetBlocks must carry the block layout"
             )
-        layout = layout_of(request.layout)
+        layout = layout_from_proto(request.layout)
         try:
             self._store.check_layout(layout)
         except LayoutMismatch as e:
@@ -125,54 +124,39 @@ def _get_response(
     )
 
 
-def host_port(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-async def serve(
-    host: str,
-    port: int,
-    capacity_bytes: int,
-    on_ready: Callable[[str], None] | None = None,
-    registry: Callable[[str, BlockStore], RegistryPublisher | None] | None = None,
-) -> None:
-    """Serve a kvstore of ``capacity_bytes`` on host:port (0: a free port) until SIGTERM/SIGINT.
-
-    ``on_ready`` gets the bound address once the server accepts calls; ``registry`` makes
-    the publisher that registers it (None: not registered).
-    """
-    store = BlockStore(capacity_bytes)
+async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack) -> Serving:
+    """A kvstore of ``--capacity-bytes`` serving on its port, registered when --redis-url."""
+    store = BlockStore(settings.capacity)
     servicer = KVStoreServicer(store)
-    server, bound_port = await start_server(  # OSError when it cannot bind
-        host_port(host, port),
+    host = settings.server.host
+    server, port = await start_server(  # OSError when it cannot bind
+        host_port(host, settings.server.port),
         [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
         [SERVICE_NAME],
     )
-    address = host_port(host, bound_port)
-    logger.info("kvstore serving on %s, capacity %d bytes", address, capacity_bytes)
+    resources.push_async_callback(server.stop, None)
+    logger.info("kvstore on %s, capacity %d bytes", host_port(host, port), store.capacity_bytes)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    publisher = registry(address, store) if registry is not None else None
-    if publisher is not None:
-        await publisher.start()
-    if on_ready is not None:
-        on_ready(address)
+    async def load() -> dict:
+        return {"bytes_used": store.bytes_used, "num_cached_blocks": store.num_blocks}
 
-    stopped = asyncio.ensure_future(stop.wait())
-    terminated = asyncio.ensure_future(server.wait_for_termination())
-    await asyncio.wait([stopped, terminated], return_when=asyncio.FIRST_COMPLETED)
-    if publisher is not None:
-        await publisher.stop()
-    if stop.is_set():
-        logger.info("kvstore stopping (grace %.0f s)", GRACE_S)
-        await server.health_servicer.enter_graceful_shutdown()
-        await server.stop(GRACE_S)
-    for task in (stopped, terminated):
-        task.cancel()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
-    logger.info("kvstore stopped")
+    publisher = publisher_for(
+        settings.registry, "kvstore", host, port, load, capacity_bytes=store.capacity_bytes
+    )
+    return Serving(server, port, publisher)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`pdserve kvstore`."""
+    return run_service(
+        "kvstore",
+        KVStoreSettings,
+        argv,
+        "Serve the KV block store: prefill workers put a prompt's KV blocks, decode workers "
+        "get them; least recently used blocks go first when --capacity-bytes is full.",
+        start,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,43 +7,9 @@ are kept as they are, never copied.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import astuple, fields
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from services.engine.kv_transfer import BlockLayout
-
-
-def layout_of(message: Any) -> BlockLayout:
-    """The BlockLayout of anything with its fields (a ``common_pb2.BlockLayout``)."""
-    return BlockLayout(**{f.name: getattr(message, f.name) for f in fields(BlockLayout)})
-
-
-def layout_differences(
-    have: BlockLayout, got: BlockLayout, have_name: str, got_name: str
-) -> list[str]:
-    """One "field: <have_name> has X, <got_name> has Y" per differing field."""
-
-    def show(value: object) -> str:
-        return value.hex() if isinstance(value, bytes) else repr(value)
-
-    return [
-        f"{f.name}: {have_name} has {show(a)}, {got_name} has {show(b)}"
-        for f, a, b in zip(fields(BlockLayout), astuple(have), astuple(got), strict=True)
-        if a != b
-    ]
-
-
-class LayoutMismatch(ValueError):
-    """A request's block layout differs from the store's; the message names each field."""
-
-    def __init__(self, have: BlockLayout, got: BlockLayout) -> None:
-        diffs = "; ".join(layout_differences(have, got, "store", "request"))
-        super().__init__(
-            f"block layout mismatch (the kvstore holds blocks of another model or KV layout): "
-            f"{diffs}"
-        )
-        self.have = have
-        self.got = got
+from services.common.kv_blocks import BlockLayout, LayoutMismatch
 
 
 class StoredBlock(NamedTuple):
@@ -88,7 +54,13 @@ class BlockStore:
     def check_layout(self, layout: BlockLayout) -> None:
         """Raise LayoutMismatch if the store holds another layout; fixes nothing."""
         if self.layout is not None and layout != self.layout:
-            raise LayoutMismatch(self.layout, layout)
+            raise LayoutMismatch(
+                self.layout,
+                layout,
+                "block layout mismatch: the kvstore holds blocks of another model or KV layout",
+                "store",
+                "request",
+            )
 
     def put(self, layout: BlockLayout, key: bytes, data: bytes, num_tokens: int) -> None:
         """Store (or replace) a block as most recently used, evicting LRU blocks to fit."""

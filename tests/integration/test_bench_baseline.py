@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.cli import main as bench_main
+from services.bench.cli import main as bench_main
 from tests.cluster import Cluster
 
 MODEL_NAME = "tiny"

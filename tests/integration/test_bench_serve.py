@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from bench.cli import main as bench_main
-from tests.cluster import Cluster, http_ready_line
+from services.bench.cli import main as bench_main
+from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MODEL_NAME = "tiny"
@@ -39,7 +39,7 @@ def base_url(chat_model, tmp_path_factory):
             MODEL_NAME,
             *model,
         )
-        yield f"http://{http_ready_line(gw)}"
+        yield f"http://{gw.addresses['gateway-http']}"
         assert not c.unhandled_errors()
     finally:
         c.stop_all()

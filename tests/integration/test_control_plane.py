@@ -26,9 +26,9 @@ from services.common.pb import (
     gateway_pb2_grpc,
 )
 from services.common.redis_server import start_redis
-from services.common.registry import RegistryView
+from services.common.registry_view import RegistryView
 from services.engine import LLM, SamplingParams
-from tests.cluster import Cluster, http_ready_line
+from tests.cluster import Cluster
 
 TTL_S = 2.0
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256", "--registry-ttl", str(TTL_S)]
@@ -80,7 +80,7 @@ def start_gateway(cluster, name, tiny_llama_path, url, prefix, *args):
         str(tiny_llama_path),
         *args,
     )
-    gw.http_address = http_ready_line(gw)
+    gw.http_address = gw.addresses["gateway-http"]
     return gw
 
 
@@ -360,8 +360,8 @@ async def test_losing_redis_fails_no_request_and_the_registry_recovers(tiny_llam
             *(generate(gw.address, p, f"a{i}") for i, p in enumerate(work))
         )
 
-        redis.process.kill()
-        redis.process.wait(5)
+        redis.child.signal(signal.SIGKILL)
+        redis.child.proc.wait(5)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 3 * TTL_S:  # well past every TTL
             outs = await asyncio.gather(
@@ -370,8 +370,7 @@ async def test_losing_redis_fails_no_request_and_the_registry_recovers(tiny_llam
             assert outs == first
         assert pool_size(gw, "decode") == 1 and pool_size(gw, "prefill") == 1
 
-        restarted = start_redis(port=redis.port)
-        redis.process = restarted.process
+        redis.restart()
         view = RegistryView(url, prefix=prefix)
         await view.start()
         try:
@@ -405,7 +404,7 @@ async def test_losing_redis_fails_no_request_and_the_registry_recovers(tiny_llam
 async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
     tiny_llama_path, redis_server, cluster
 ):
-    from services.kvstore.client import KVStoreClient
+    from services.common.kv_client import KVStoreClient
 
     url, prefix = redis_server.url, "replicas"
     reg = ["--redis-url", url, "--redis-prefix", prefix, "--registry-ttl", str(TTL_S)]

@@ -7,10 +7,6 @@ call was cancelled, so these tests pin the wire contract the real workers must k
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
@@ -27,8 +23,8 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.gateway.__main__ import main as gateway_main
-from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
+from services.common.tokenizer import Tokenizer
+from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import ModelLimits
 from services.gateway.router import Router, RoutingPolicy, StaticPools
 from services.gateway.server import SERVICE_NAME, GatewayServicer
@@ -61,8 +57,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
     """Streams fixed token chunks, the last one with finish_reason; notes a cancellation.
 
-    Like the real worker, a stream after a prefill begins with the prefill's first token:
-    in a message of its own (echo_first "alone") or with the next tokens ("merged").
+    Like the real worker, a stream after a prefill carries only the tokens after the
+    prefill's first token.
     """
 
     def __init__(
@@ -73,10 +69,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         delay_s: float = 0.0,
         num_cached_tokens: int = 0,
         error: tuple[grpc.StatusCode, str] | None = None,
-        echo_first: str = "alone",
     ) -> None:
         self.log = log
-        self.echo_first = echo_first
         self.chunks = chunks
         self.finish_reason = finish_reason
         self.delay_s = delay_s
@@ -89,12 +83,6 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         if self.error is not None:
             await context.abort(*self.error)
         chunks = self.chunks
-        if request.HasField("first_token_id"):
-            first = request.first_token_id
-            if self.echo_first == "alone":
-                chunks = [[first], *chunks]
-            elif self.echo_first == "merged":
-                chunks = [[first, *chunks[0]], *chunks[1:]]
         try:
             for i, ids in enumerate(chunks):
                 last = i == len(chunks) - 1
@@ -188,35 +176,11 @@ async def test_prefill_then_decode_hands_over_the_prefill_fields():
     assert decode_request.kvstore_address == "127.0.0.1:7777"
     assert decode_request.layout == LAYOUT
 
-    # The decode stream's own first message, the repeated first token, is left empty.
-    assert [list(e.token_ids) for e in events] == [[100], [], [101, 102], [103]]
-    assert [e.num_cached_tokens for e in events] == [16, 32, 32, 32]
-    assert [[lp.logprob for lp in e.logprobs] for e in events] == [
-        [-0.25],
-        [],
-        [-0.5, -0.5],
-        [-0.5],
-    ]
-    assert [e.finish_reason for e in events] == ["", "", "", "length"]
-
-
-async def test_the_repeated_first_token_is_dropped_whatever_the_message():
-    log: list = []
-    prefill = FakePrefill(log, prefill_response(first_token_id=100))
-    decode = FakeDecode(log, [[101, 102], [103]], echo_first="merged")
-    async with serving(prefill, decode) as (p, d), orchestrating([p], [d]) as orchestrator:
-        events = await collect(orchestrator)
+    # The first token once, from the prefill; the decode stream carries the rest.
     assert [list(e.token_ids) for e in events] == [[100], [101, 102], [103]]
-    assert [len(e.logprobs) for e in events] == [1, 2, 1]
-
-
-async def test_a_decode_stream_without_the_first_token_is_a_worker_bug():
-    log: list = []
-    prefill = FakePrefill(log, prefill_response(first_token_id=100))
-    decode = FakeDecode(log, [[101, 102], [103]], echo_first="none")
-    async with serving(prefill, decode) as (p, d), orchestrating([p], [d]) as orchestrator:
-        with pytest.raises(WorkerProtocolError, match="not the prefill's first token 100"):
-            await collect(orchestrator)
+    assert [e.num_cached_tokens for e in events] == [16, 32, 32]
+    assert [[lp.logprob for lp in e.logprobs] for e in events] == [[-0.25], [-0.5, -0.5], [-0.5]]
+    assert [e.finish_reason for e in events] == ["", "", "length"]
 
 
 async def test_a_finished_prefill_skips_decode():
@@ -298,9 +262,7 @@ async def test_a_worker_error_comes_through_as_is():
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
+    return Tokenizer.from_dir(smollm2_path)
 
 
 ANSWER = " The capital of Japan is Tokyo 東京. STOP Then it rambles on"
@@ -378,7 +340,7 @@ async def test_unary_returns_all_tokens_and_text(tokenizer):
     assert not sent.HasField("seed") and not sent.HasField("logprobs")
 
 
-async def test_chat_messages_use_the_template(tokenizer):
+async def test_chat_messages_use_the_template(tokenizer, smollm2_path):
     log, prefill, decode = answer_workers(tokenizer)
     chat = [{"role": "user", "content": "Hi!"}]
     request = gateway_pb2.GenerateRequest(
@@ -386,7 +348,10 @@ async def test_chat_messages_use_the_template(tokenizer):
     )
     async with gateway(tokenizer, prefill, decode) as stub:
         await stub.Generate(request, timeout=10)
-    expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2_path)
+    expected = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     assert list(log[0][1].prompt_token_ids) == list(expected["input_ids"])
 
 
@@ -448,61 +413,3 @@ async def test_worker_errors_keep_their_status(tokenizer):
             await stub.Generate(request, timeout=10)
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert raised.value.details() == "layout mismatch"
-
-
-# -- the command ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--prefill", "127.0.0.1:1"], "no decode worker"),
-        (["--decode", "127.0.0.1:1"], "needs a prefill worker"),
-        (["--decode", "nohost", "--disaggregation", "off"], "not HOST:PORT"),
-        (
-            ["--decode", "127.0.0.1:1", "--disaggregation", "off", "--decode-timeout", "0"],
-            "positive",
-        ),
-        (["--decode", "127.0.0.1:1", "--disaggregation", "off", "--http-port", "-2"], "-1"),
-    ],
-)
-def test_bad_flags_exit_2(argv, message, capsys, monkeypatch):
-    for name in ("PDSERVE_PREFILL", "PDSERVE_DECODE", "PDSERVE_DISAGGREGATION"):
-        monkeypatch.delenv(name, raising=False)
-    with pytest.raises(SystemExit) as raised:
-        gateway_main(argv)
-    assert raised.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-async def test_process_serves_and_stops_on_sigterm(tokenizer, smollm2_path):
-    log, prefill, decode = answer_workers(tokenizer)
-    async with serving(prefill, decode) as (p, d):
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.gateway",
-            "--port=0",
-            "--http-port=0",
-            f"--prefill={p}",
-            f"--decode={d}",
-            f"--model={smollm2_path}",
-            "--log-level=WARNING",
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-        )
-        try:
-            line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
-            assert line.startswith("READY gateway 127.0.0.1:"), line
-            channel = aio_channel(line.split()[-1])
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            response = await stub.Generate(gateway_pb2.GenerateRequest(prompt="Hi"), timeout=10)
-            await channel.close()
-            assert response.text == ANSWER
-            process.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(process.wait(), 15) == 0
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()

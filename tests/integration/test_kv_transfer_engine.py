@@ -23,10 +23,8 @@ def _prompts():
 
 def _prefill(llm: LLM, prompt, request_id):
     eng = llm.engine
-    seq = eng.add_request(
-        prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), request_id
-    )
-    seq.hold_blocks = True
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seq = eng.add_request(prompt, params, request_id, prefill_only=True)
     while eng.has_unfinished():
         eng.step()
     return seq.output_token_ids[0], eng.export_prompt_blocks(request_id)
@@ -91,10 +89,11 @@ def test_second_import_uses_the_decode_engines_own_cache(engines):
 def test_layouts_compare_field_by_field(engines, tiny_llama_path):
     colocated, _, _ = engines
     other = LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=128, block_size=8)
-    msg = colocated.engine.block_layout().mismatch(other.engine.block_layout())
+    ours = colocated.engine.block_layout()
+    msg = "; ".join(ours.differences(other.engine.block_layout(), "ours", "theirs"))
     assert "block_size: ours 16, theirs 8" in msg
     assert "model_fingerprint" in msg
-    assert colocated.engine.block_layout().mismatch(colocated.engine.block_layout()) is None
+    assert ours.differences(colocated.engine.block_layout(), "ours", "theirs") == []
 
 
 def test_seeded_sampling_continues_identically_across_the_split(engines):
@@ -103,8 +102,7 @@ def test_seeded_sampling_continues_identically_across_the_split(engines):
     params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=77, ignore_eos=True)
     (want,) = colocated.generate([prompt], params)
     eng = prefill.engine
-    seq = eng.add_request(prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), "seeded")
-    seq.hold_blocks = True
+    seq = eng.add_request(prompt, params, "seeded", prefill_only=True)
     while eng.has_unfinished():
         eng.step()
     blocks = eng.export_prompt_blocks("seeded")

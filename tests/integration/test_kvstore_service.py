@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 
 import grpc
@@ -13,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
+from services.common.kv_client import KVStoreClient, put_requests
+from services.common.launcher import Child, Launcher
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.client import KVStoreClient, put_requests
-from services.kvstore.launch import ROOT, KVStoreProcess, read_ready_line, start_kvstore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,13 +45,20 @@ def blocks(prefix: str, n: int, size: int = MiB) -> list[tuple[bytes, bytes, int
     return [(f"{prefix}/{i}".encode(), bytes([i % 256]) * size, 16) for i in range(n)]
 
 
+KVSTORE = [sys.executable, "-m", "services.kvstore", "--port", "0"]
+
+
 @pytest.fixture(scope="module")
-def kvstore(tmp_path_factory) -> KVStoreProcess:
-    log = (tmp_path_factory.mktemp("kvstore") / "stderr.log").open("wb")
-    process = start_kvstore(CAPACITY, stderr=log, timeout=30)
-    yield process
-    process.stop()
-    log.close()
+def launcher(tmp_path_factory) -> Launcher:
+    launcher = Launcher(tmp_path_factory.mktemp("kvstore"))
+    yield launcher
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="module")
+def kvstore(launcher) -> Child:
+    argv = [*KVSTORE, "--capacity-bytes", str(CAPACITY)]
+    return launcher.start_ready("kvstore", argv, ["kvstore"], timeout=30)
 
 
 @pytest.fixture
@@ -144,8 +149,8 @@ async def test_layout_mismatch_fails_put_and_get_with_the_differing_fields(clien
         await client.get_blocks(wrong, [b"fixed/0"], timeout=TIMEOUT)
     for error in (put_error.value, get_error.value):
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "dtype: store has 'float32', request has 'bfloat16'" in error.details()
-        assert "block_size: store has 16, request has 32" in error.details()
+        assert "dtype: store float32, request bfloat16" in error.details()
+        assert "block_size: store 16, request 32" in error.details()
     _, missing = await client.get_blocks(LAYOUT, [b"wrong/0"], timeout=TIMEOUT)
     assert missing == [b"wrong/0"]
 
@@ -166,7 +171,7 @@ async def test_layout_changing_within_one_put_stream_is_invalid(stub):
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await stub.PutBlocks(iter(requests), timeout=TIMEOUT)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "head_dim: first message has 64, this message has 128" in error.value.details()
+    assert "head_dim: first message 64, this message 128" in error.value.details()
 
 
 async def test_block_larger_than_the_capacity_is_invalid(client):
@@ -200,21 +205,12 @@ async def test_health_reports_serving_and_reflection_lists_the_service(kvstore):
         assert "pdserve.v1.KVStore" in names
 
 
-async def test_pdserve_kvstore_reads_env_and_stops_cleanly_on_sigterm():
-    env = {**os.environ, "PDSERVE_KVSTORE_CAPACITY_BYTES": "3MiB"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "kvstore", "--port", "0"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        address = read_ready_line(process, "kvstore", timeout=30)
-        assert address.startswith("127.0.0.1:") and not address.endswith(":0")
-        async with KVStoreClient(address) as c:
-            assert (await c.stat(timeout=TIMEOUT)).capacity_bytes == 3 * MiB
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=10) == 0
-    finally:
-        KVStoreProcess(process, "").stop()
+async def test_pdserve_kvstore_reads_env_and_stops_cleanly_on_sigterm(launcher):
+    argv = [sys.executable, "-m", "services.cli", "kvstore", "--port", "0"]
+    env = {"PDSERVE_CAPACITY_BYTES": "3MiB"}
+    child = launcher.start_ready("kvstore-env", argv, ["kvstore"], timeout=30, env=env)
+    assert child.address.startswith("127.0.0.1:") and not child.address.endswith(":0")
+    async with KVStoreClient(child.address) as c:
+        assert (await c.stat(timeout=TIMEOUT)).capacity_bytes == 3 * MiB
+    child.signal(signal.SIGTERM)
+    assert child.proc.wait(timeout=10) == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import asynccontextmanager
 
 import httpx
 import openai
@@ -14,13 +13,7 @@ import pytest
 from services.common.grpc_utils import aio_channel
 from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.engine import LLM, SamplingParams
-from services.gateway.admission import Admission
-from services.gateway.http import HttpServer
-from services.gateway.openai_api import Served, create_app
-from services.gateway.orchestrator import Orchestrator
-from services.gateway.requests import ModelLimits
-from tests.cluster import Cluster, http_ready_line
-from tests.integration.test_gateway_orchestration import FakeDecode, orchestrating, serving
+from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MAX_MODEL_LEN = 256
@@ -54,7 +47,7 @@ def cluster(chat_model, tmp_path_factory):
             MODEL_NAME,
             *model,
         )
-        c.http_address = http_ready_line(gw)
+        c.http_address = gw.addresses["gateway-http"]
         yield c
     finally:
         c.stop_all()
@@ -321,134 +314,6 @@ def test_disconnect_mid_stream_cancels_the_generation(cluster, http):
     assert now.num_running == 0
     assert now.num_free_blocks == start.num_free_blocks
     assert "Traceback" not in next(s for s in cluster.services if s.name == "gateway").log_text()
-
-
-# -- cancellation, seen by a fake decode worker ---------------------------------------------
-
-
-@asynccontextmanager
-async def rest_over_fake_decode(tiny_llama_path, **guards):
-    """The REST app in this process over a fake decode worker that streams until cancelled;
-    ``guards`` are Served's api_key, max_body_bytes and admission."""
-    from transformers import AutoTokenizer
-
-    decode = FakeDecode([], [[5]] * 1000, delay_s=0.02)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    async with serving(decode) as (d,), orchestrating([], [d], disaggregation=False) as orch:
-        limits = ModelLimits(MAX_MODEL_LEN, 512)
-        served = Served(orch, tokenizer, limits, MODEL_NAME, **guards)
-        http = await HttpServer.start(create_app(served), "127.0.0.1", 0, drain_timeout_s=1)
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}") as client:
-                yield client, decode
-        finally:
-            await http.stop()
-
-
-BODY = {"model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": 200}
-
-
-async def test_disconnect_mid_stream_cancels_the_decode_call(tiny_llama_path):
-    async with rest_over_fake_decode(tiny_llama_path) as (client, decode):
-        body = {**BODY, "stream": True, "n": 2}
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            lines = response.aiter_lines()
-            assert (await anext(lines)).startswith("data: {")
-        await asyncio.wait_for(decode.cancelled.wait(), 5)
-
-
-async def test_disconnect_while_waiting_for_a_whole_reply_cancels_the_decode_call(
-    tiny_llama_path,
-):
-    async with rest_over_fake_decode(tiny_llama_path) as (client, decode):
-        request = asyncio.create_task(client.post("/v1/completions", json=BODY))
-        await asyncio.sleep(0.5)
-        request.cancel()  # closes the connection
-        await asyncio.wait_for(decode.cancelled.wait(), 5)
-
-
-# -- guards: overload, unavailable workers, body size, API key ------------------------------
-
-
-async def test_overload_gets_429_with_retry_after(tiny_llama_path):
-    admission = Admission(max_running=1, max_waiting=1, wait_timeout_s=0.5)
-    async with rest_over_fake_decode(tiny_llama_path, admission=admission) as (client, _):
-        body = {**BODY, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as running:
-            assert running.status_code == 200
-            waiting = asyncio.create_task(client.post("/v1/completions", json=BODY))
-            await asyncio.sleep(0.1)
-            refused = await client.post("/v1/completions", json=BODY)  # the queue is full
-            timed_out = await asyncio.wait_for(waiting, 5)  # waited past its deadline
-        for response in (refused, timed_out):
-            _error(response, 429)
-            assert response.headers["retry-after"] == "1"
-        assert "busy" in refused.json()["error"]["message"]
-        assert await _stream_starts(client)
-    assert admission.num_running == 0 and admission.num_waiting == 0
-
-
-async def _stream_starts(client) -> bool:
-    """Whether a streamed completion starts (the fake worker never ends it)."""
-    async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
-        return r.status_code == 200 and (await anext(r.aiter_lines())).startswith("data: {")
-
-
-async def test_no_reachable_decode_worker_gets_503_with_retry_after(tiny_llama_path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    orch = Orchestrator.with_addresses(
-        (), ("127.0.0.1:1",), False, prefill_timeout_s=5, decode_timeout_s=5
-    )
-    served = Served(orch, tokenizer, ModelLimits(MAX_MODEL_LEN, 512), MODEL_NAME)
-    http = await HttpServer.start(create_app(served), "127.0.0.1", 0, drain_timeout_s=1)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=20) as c:
-            for stream in (False, True):
-                response = await c.post("/v1/completions", json={**BODY, "stream": stream})
-                _error(response, 503)
-                assert response.headers["retry-after"] == "1"
-        assert served.admission.num_running == 0
-    finally:
-        await http.stop()
-        await orch.close()
-
-
-async def test_a_body_over_the_limit_gets_413(tiny_llama_path):
-    async with rest_over_fake_decode(tiny_llama_path, max_body_bytes=2048) as (client, _):
-        big = {**BODY, "prompt": "a" * 4096}
-        assert _error(await client.post("/v1/completions", json=big), 413)["message"]
-
-        async def chunked():  # no Content-Length: the limit holds while reading
-            for _ in range(8):
-                yield b" " * 512
-
-        response = await client.post(
-            "/v1/completions", content=chunked(), headers={"content-type": "application/json"}
-        )
-        assert "content-length" not in response.request.headers
-        _error(response, 413)
-        assert await _stream_starts(client)
-
-
-async def test_api_key_guards_the_v1_routes(tiny_llama_path):
-    async with rest_over_fake_decode(tiny_llama_path, api_key="sekret") as (client, _):
-        base = str(client.base_url)
-        for headers in ({}, {"authorization": "Bearer wrong"}):
-            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
-                response = await client.request(method, path, json=BODY, headers=headers)
-                assert _error(response, 401)["code"] == "invalid_api_key"
-        assert (await client.get("/health")).status_code == 200
-        good = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sekret", timeout=20)
-        # The fake worker streams until cancelled: read one chunk, then close.
-        stream = await good.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, stream=True)
-        async with stream:
-            assert (await anext(aiter(stream))).choices[0].text is not None
-        bad = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", timeout=20, max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            await bad.models.list()
 
 
 async def _take_events(lines, count):

@@ -13,7 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.cluster import Cluster, http_ready_line
+from tests.cluster import Cluster
 from tests.integration.test_openai_api import ENGINE, MODEL_NAME
 
 MAX_MODEL_LEN = 48  # bounds every generation, whatever max_tokens the fuzzer picks
@@ -41,7 +41,7 @@ def fuzz_gateway(tiny_chat_llama_path, tmp_path_factory):
             MODEL_NAME,
             *model,
         )
-        c.http_address = http_ready_line(gw)
+        c.http_address = gw.addresses["gateway-http"]
         yield c
     finally:
         c.stop_all()

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from services.engine import LLM, SamplingParams
-from tests.cluster import Cluster, http_ready_line
+from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
 
@@ -30,7 +30,7 @@ def cluster(smollm2_path, tmp_path_factory):
             "2048",
             *model,
         )
-        c.http_address = http_ready_line(gw)
+        c.http_address = gw.addresses["gateway-http"]
         yield c
     finally:
         c.stop_all()

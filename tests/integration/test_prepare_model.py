@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import model
 from services.engine import prepare_model as pm
 
 EXPECTED_FILES = [
@@ -36,10 +37,20 @@ def _leftovers(home: Path) -> list[str]:
 
 def test_home_and_default_dir_follow_env(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
-    assert pm.pdserve_home() == tmp_path
-    assert pm.default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+    assert model.pdserve_home() == tmp_path
+    assert model.default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
     monkeypatch.delenv("PDSERVE_HOME")
-    assert pm.pdserve_home() == Path.home() / ".cache" / "pdserve"
+    assert model.pdserve_home() == Path.home() / ".cache" / "pdserve"
+
+
+def test_locating_an_unprepared_default_model_says_to_prepare_it(tmp_path, monkeypatch):
+    # What the torch-free gateway does: it never converts, it asks for `prepare-model`.
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="run `pdserve prepare-model` once"):
+        model.locate_model(None)
+    monkeypatch.setattr(pm, "_convert", _fake_convert)
+    target = pm.prepare_default_model(progress=False)
+    assert model.locate_model(None) == model.locate_model("default") == target
 
 
 def test_find_default_gguf_does_not_import_the_wheel():

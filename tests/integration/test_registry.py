@@ -4,11 +4,14 @@ process, the server restarted and killed under them."""
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 
 from services.common.redis_server import start_redis
-from services.common.registry import RegistryPublisher, RegistryView, WorkerInfo
+from services.common.registry import WorkerInfo
+from services.common.registry_publisher import RegistryPublisher
+from services.common.registry_view import RegistryView
 
 TTL_S = 1.5
 WAIT_S = 10.0
@@ -167,14 +170,13 @@ async def test_redis_lost_and_back(redis_server):
     await pub.start()
     try:
         await until(lambda: ids(view) == {"d2"})
-        redis_server.process.kill()
-        redis_server.process.wait(5)
+        redis_server.child.signal(signal.SIGKILL)
+        redis_server.child.proc.wait(5)
         await until(lambda: not view.redis_ok)
         await asyncio.sleep(TTL_S * 2)  # well past the TTL
         assert ids(view) == {"d2"}  # the last known registry
         cache.store(H[2])  # stored while Redis is away: not lost
-        restarted = start_redis(port=redis_server.port)
-        redis_server.process = restarted.process
+        redis_server.restart()
         await until(lambda: view.redis_ok and ids(view) == {"d2"})
         got = await view.prefix_lengths(view.workers(), lambda bs: [H[0], H[1], H[2]])
         for _ in range(50):

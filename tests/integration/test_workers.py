@@ -61,6 +61,7 @@ async def _generate(cluster, prompt, rid, disaggregate=True):
                 timeout=60,
             )
             req.first_token_id = pre.first_token_id
+            tokens.append(pre.first_token_id)  # the decode stream carries the tokens after it
             req.block_keys.extend(pre.block_keys)
             req.kvstore_address = pre.kvstore_address
             req.layout.CopyFrom(pre.layout)

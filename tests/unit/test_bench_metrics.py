@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from bench.cli import main as bench_main
-from bench.client import arrival_times
-from bench.metrics import RequestRecord, compute_metrics, distribution, request_tpot
-from bench.workloads import WorkloadParams, build_workload, load_tokenizer
+from services.bench.cli import main as bench_main
+from services.bench.client import arrival_times
+from services.bench.metrics import RequestRecord, compute_metrics, distribution, request_tpot
+from services.bench.workloads import WorkloadParams, build_workload, load_tokenizer
 
 
 def record(ttft, itl, e2el, output_len, input_len=10, success=True, kind="", error=""):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
-from services.engine.config import EngineArgs, parse_size
+from services.common.config import EngineArgs
+from services.common.sizes import parse_size
 
 
 @pytest.mark.parametrize(
@@ -38,7 +40,7 @@ def test_parse_size_rejects_bad_strings_naming_the_value(value):
 def test_engine_args_defaults_are_valid():
     args = EngineArgs()
     assert args.block_size == 16
-    assert "max_num_seqs" in EngineArgs.field_names()
+    assert "max_num_seqs" in {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 @pytest.mark.parametrize(

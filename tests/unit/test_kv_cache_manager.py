@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.block_hash import hash_block
+from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
 FP = b"fp"
@@ -262,3 +262,51 @@ def test_record_lookup_counts_tokens_and_hits():
     kv.record_lookup(32, 16)
     kv.record_lookup(10, 0)
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (42, 16)
+
+
+# -- imports: a prefix held from the cache, then blocks computed elsewhere ---------------------
+
+
+def test_take_cached_prefix_holds_the_cached_blocks_of_a_request_prefilled_elsewhere():
+    kv = manager(8)
+    a = seq("a", range(12))
+    compute(kv, a, 12)  # blocks 0, 1, 2 cached (block 2 holds tokens 8..11)
+    kv.free(a)
+    b = seq("b", [*range(8), 50, 51, 52, 53])
+    b.append_token(7)  # the first token, sampled by the prefill worker
+    assert kv.take_cached_prefix(b) == 2
+    assert b.block_table == [0, 1]
+    assert kv.pool.ref_counts[:3] == [1, 1, 0]
+    assert kv.pool.num_free_blocks == 6
+
+
+def test_import_blocks_writes_caches_and_appends_the_blocks():
+    kv = manager(6)
+    s = seq("a", range(10))  # 2 full blocks and a tail of 2
+    s.append_token(99)
+    written = {}
+    hashes = kv.update_block_hashes(s)
+    blocks = [(b"b0", hashes[0]), (b"b1", hashes[1]), (b"tail", None)]
+    assert kv.import_blocks(s, blocks, lambda block, data: written.__setitem__(block, data))
+    assert s.block_table == [0, 1, 2]
+    assert written == {0: b"b0", 1: b"b1", 2: b"tail"}
+    assert [kv.pool.lookup(h) for h in hashes[:2]] == [0, 1]  # the full ones are cached
+    assert kv.pool.block_hashes[2] is None
+    kv.free(s)
+    kv.pool.check_integrity()
+
+
+def test_import_blocks_refuses_without_room_and_frees_what_a_failing_write_took():
+    kv = manager(2)
+    s = seq("a", range(12))
+    blocks = [(b"x", None)] * 3
+    assert not kv.import_blocks(s, blocks, lambda block, data: None)
+    assert s.block_table == [] and kv.pool.num_free_blocks == 2
+
+    def failing(block: int, data: bytes) -> None:
+        raise ValueError("block data has 1 bytes, this worker's blocks have 64")
+
+    with pytest.raises(ValueError, match="block data"):
+        kv.import_blocks(s, blocks[:2], failing)
+    assert s.block_table == [] and kv.pool.num_free_blocks == 2
+    kv.pool.check_integrity()

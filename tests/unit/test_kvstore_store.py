@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from services.engine.kv_transfer import BlockLayout
-from services.kvstore.store import BlockStore, LayoutMismatch, StoredBlock, layout_of
+from services.common.kv_blocks import BlockLayout, LayoutMismatch
+from services.common.wire import layout_from_proto
+from services.kvstore.store import BlockStore, StoredBlock
 
 LAYOUT = BlockLayout(
     version=1,
@@ -164,19 +165,19 @@ def test_layout_mismatch_names_each_differing_field_with_both_values():
     with pytest.raises(LayoutMismatch) as info:
         store.put(other, b"b", b"x", 1)
     message = str(info.value)
-    assert "model_fingerprint: store has 0102, request has ff" in message
-    assert "dtype: store has 'float32', request has 'bfloat16'" in message
-    assert "block_size: store has 16, request has 32" in message
+    assert "model_fingerprint: store 0102, request ff" in message
+    assert "dtype: store float32, request bfloat16" in message
+    assert "block_size: store 16, request 32" in message
     assert "num_layers" not in message and "head_dim" not in message
     assert isinstance(info.value, ValueError)
-    with pytest.raises(LayoutMismatch, match="block_size: store has 16, request has 32"):
+    with pytest.raises(LayoutMismatch, match="block_size: store 16, request 32"):
         store.get(other, b"a")
     # A refused request changes nothing.
     assert store.lru_order() == [b"a"]
     assert (store.blocks_in, store.hits, store.misses) == (1, 0, 0)
 
 
-def test_layout_of_reads_a_block_layout_message():
+def test_layout_from_proto_reads_a_block_layout_message():
     from services.common.pb import common_pb2
 
     message = common_pb2.BlockLayout(
@@ -188,7 +189,7 @@ def test_layout_of_reads_a_block_layout_message():
         num_kv_heads=1,
         head_dim=4,
     )
-    assert layout_of(message) == LAYOUT
+    assert layout_from_proto(message) == LAYOUT
     assert [f.name for f in dataclasses.fields(BlockLayout)] == [
         f.name for f in common_pb2.BlockLayout.DESCRIPTOR.fields
     ]
@@ -198,7 +199,7 @@ def test_layout_of_reads_a_block_layout_message():
 
 
 def test_batches_hold_at_most_max_bytes_and_a_larger_item_goes_alone():
-    from services.kvstore.batching import batched_by_bytes
+    from services.common.kv_client import batched_by_bytes
 
     sizes = [3, 3, 2, 5, 1, 4, 4]
     assert list(batched_by_bytes(sizes, lambda n: n, 4)) == [[3], [3], [2], [5], [1], [4], [4]]

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from services.common.pb import common_pb2
+from services.common.sampling import MAX_LOGPROBS, SamplingParams
+from services.common.wire import sampling_from_proto, sampling_to_proto
 from services.engine.sampler import Sampler, apply_penalties
-from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.engine.sequence import Sequence
-from services.engine_proto import sampling_from_proto
-from services.gateway.requests import to_proto, to_sampling_params
 
 NAN = float("nan")
 
@@ -343,8 +342,8 @@ def test_sampler_draws_from_cuda_logits():
 
 def test_penalties_travel_from_gateway_to_worker():
     sent = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25)
-    proto = to_proto(sent)
-    for received in (sampling_from_proto(proto), to_sampling_params(proto, 16)):
+    proto = sampling_to_proto(sent)
+    for received in (sampling_from_proto(proto), sampling_from_proto(proto, 16)):
         assert received.presence_penalty == 0.5
         assert received.frequency_penalty == -1.0
         assert received.repetition_penalty == 1.25
@@ -352,6 +351,6 @@ def test_penalties_travel_from_gateway_to_worker():
 
 def test_proto3_zero_penalties_mean_off():
     proto = common_pb2.SamplingParams()
-    for received in (sampling_from_proto(proto), to_sampling_params(proto, 16)):
+    for received in (sampling_from_proto(proto), sampling_from_proto(proto, 16)):
         assert not received.has_penalties
         assert received.repetition_penalty == 1.0

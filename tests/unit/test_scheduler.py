@@ -6,9 +6,10 @@ import random
 
 import pytest
 
+from services.common.sampling import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.sampling_params import SamplingParams
+from services.engine.outputs import ModelRunnerOutput
 from services.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence, SequenceStatus
 
@@ -49,7 +50,7 @@ class FakeRunner:
         script = self.scripts.get(seq.request_id, [])
         return script[k] if k < len(script) else 1000 + k
 
-    def __call__(self, batch: ScheduledBatch) -> list[int | None]:
+    def __call__(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         pool = self.sched.kv_cache.pool
         sampled: list[int | None] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -63,7 +64,7 @@ class FakeRunner:
                 assert pool.ref_counts[block] == 1, f"write into shared block {block}"
                 self.kv.setdefault(block, [None] * BS)[pos % BS] = seq.token_ids[pos]
             sampled.append(self.token(seq) if start + n == seq.num_tokens else None)
-        return sampled
+        return ModelRunnerOutput(sampled, [None] * len(sampled))
 
 
 def step(

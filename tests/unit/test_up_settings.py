@@ -1,19 +1,18 @@
-"""`pdserve up` and `pdserve status` without processes: CPU placement, flags, settings,
-tables; and READY-line reading against a trivial child."""
+"""`pdserve up` and `pdserve status` without processes: CPU placement, the flags children get,
+settings, tables."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
+from services.common.command_config import UpSettings
+from services.common.config import EngineArgs, PrefillSettings, RegistrySettings, ServerSettings
+from services.common.launcher import cpu_slices
 from services.common.registry import WorkerInfo
-from services.engine.config import EngineArgs
+from services.common.settings import SettingsError, parse_settings, to_argv
 from services.status import format_tables, status_json
-from services.supervisor import cpu_slices, read_ready_line
-from services.up import UpSettings, _engine_flags
 
 
 @pytest.mark.parametrize(
@@ -31,38 +30,25 @@ def test_cpu_slices_are_contiguous_and_even(cpus, n, expected):
     assert cpu_slices(cpus, n) == expected
 
 
-def test_engine_flags_repeat_only_what_differs_from_the_defaults():
-    args = EngineArgs(
+def test_a_worker_gets_only_the_flags_that_differ_from_the_defaults():
+    engine = EngineArgs(
         model="/m", dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, num_threads=3
     )
-    assert _engine_flags(args) == [
-        "--dtype",
-        "float32",
-        "--num-kv-blocks",
-        "64",
-        "--no-enable-prefix-caching",
-    ]
-    assert _engine_flags(EngineArgs()) == []
+    worker = PrefillSettings(
+        server=ServerSettings(port=0),
+        kvstore="127.0.0.1:9",
+        registry=RegistrySettings(),
+        engine=engine,
+    )
+    argv = to_argv(worker)
+    assert argv == [
+        "--port", "0", "--kvstore", "127.0.0.1:9", "--model", "/m", "--dtype", "float32",
+        "--num-kv-blocks", "64", "--no-enable-prefix-caching", "--num-threads", "3",
+    ]  # fmt: skip
+    assert parse_settings(PrefillSettings, argv, "p", "") == worker
 
 
-_SETTINGS = UpSettings(
-    num_prefill=1,
-    num_decode=1,
-    disaggregation=True,
-    port=0,
-    http_port=0,
-    redis_url=None,
-    redis_port=0,
-    redis_prefix="pdserve",
-    kvstore_capacity="2GiB",
-    local_prefill_threshold=0,
-    log_dir=None,
-    startup_timeout_s=60,
-    model="/m",
-    max_model_len=None,
-    num_threads=None,
-    engine_flags=(),
-)
+_SETTINGS = UpSettings(num_prefill=1, port=0, http_port=0, startup_timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -71,16 +57,18 @@ _SETTINGS = UpSettings(
         ({"num_decode": 0}, "--decode must be 1 or more"),
         ({"num_prefill": 0}, "--disaggregation on needs a prefill worker"),
         ({"port": 70000}, "--port must be between"),
-        ({"startup_timeout_s": 0}, "--startup-timeout"),
+        ({"startup_timeout": 0}, "--startup-timeout"),
+        ({"kvstore_capacity": "lots"}, "--kvstore-capacity"),
     ],
 )
 def test_up_settings_refuse_bad_values(change, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SettingsError, match=message):
         replace(_SETTINGS, **change)
 
 
 def test_up_settings_allow_no_prefill_workers_when_colocated():
-    replace(_SETTINGS, num_prefill=0, disaggregation=False)
+    assert replace(_SETTINGS, num_prefill=None, disaggregation=False).prefill_workers == 0
+    assert replace(_SETTINGS, num_prefill=None).prefill_workers == 1
 
 
 def _workers(now: float) -> list[WorkerInfo]:
@@ -111,16 +99,3 @@ def test_status_json_counts_pools_and_ages():
     assert [len(pools[r]["workers"]) for r in ("prefill", "decode", "kvstore")] == [0, 2, 1]
     assert pools["decode"]["totals"]["active_blocks"] == 25
     assert pools["kvstore"]["workers"][0]["heartbeat_age_s"] == 1.0
-
-
-def test_read_ready_line_skips_other_output_and_reports_an_early_exit():
-    script = "print('hello'); print('READY kvstore 127.0.0.1:5', flush=True)"
-    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE) as p:
-        assert read_ready_line(p, "kvstore", timeout=30) == "127.0.0.1:5"
-    with (
-        subprocess.Popen(
-            [sys.executable, "-c", "raise SystemExit(3)"], stdout=subprocess.PIPE
-        ) as p,
-        pytest.raises(RuntimeError, match="exited with code 3 before it was ready"),
-    ):
-        read_ready_line(p, "kvstore", timeout=30)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.model import ModelConfig
 from services.engine.attention import AttentionMetadata, PagedAttention
-from services.engine.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

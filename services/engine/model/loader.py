@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.common.model import ModelConfig
 from services.engine.attention import PagedAttention
-from services.engine.config import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM, Rotary
 
 logger = logging.getLogger(__name__)

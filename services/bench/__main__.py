@@ -2,6 +2,6 @@
 
 import sys
 
-from bench.cli import main
+from services.bench.cli import main
 
 sys.exit(main())

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.metrics import RequestRecord
-from bench.workloads import Session, Turn
+from services.bench.metrics import RequestRecord
+from services.bench.workloads import Session, Turn
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _ERROR_TEXT_CHARS = 500

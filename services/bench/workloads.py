@@ -79,28 +79,23 @@ class TextTokenizer:
 
 
 def load_tokenizer(path: Path) -> TextTokenizer:
-    """The tokenizer of a Hugging Face model directory (`tokenizer.json` read directly when there)."""
+    """The tokenizer of a Hugging Face model directory, read from its `tokenizer.json` (the
+    benchmark client loads no torch, so no slow tokenizer)."""
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist; pass --tokenizer DIR")
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-        return TextTokenizer(
-            lambda text: tok.encode(text, add_special_tokens=False).ids,
-            lambda ids: tok.decode(ids, skip_special_tokens=True),
-            tok.get_vocab_size(),
-            special,
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"{path} has no tokenizer.json: pass --tokenizer DIR of a model with a fast tokenizer"
         )
-    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(path))
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     return TextTokenizer(
-        lambda text: hf.encode(text, add_special_tokens=False),
-        lambda ids: hf.decode(ids, skip_special_tokens=True),
-        len(hf),
-        set(hf.all_special_ids),
+        lambda text: tok.encode(text, add_special_tokens=False).ids,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        tok.get_vocab_size(),
+        special,
     )
 
 

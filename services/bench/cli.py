@@ -18,10 +18,16 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from bench.client import ENDPOINTS, ClientConfig, RunResult, num_requests, run_sessions
-from bench.metrics import SLO_KINDS, BenchmarkMetrics, compute_metrics
-from bench.report import serve_result, summary, sweep_result, write_result
-from bench.workloads import WORKLOADS, Session, WorkloadParams, build_workload, load_tokenizer
+from services.bench.client import ENDPOINTS, ClientConfig, RunResult, num_requests, run_sessions
+from services.bench.metrics import SLO_KINDS, BenchmarkMetrics, compute_metrics
+from services.bench.report import serve_result, summary, sweep_result, write_result
+from services.bench.workloads import (
+    WORKLOADS,
+    Session,
+    WorkloadParams,
+    build_workload,
+    load_tokenizer,
+)
 
 _PROG = "pdserve bench"
 
@@ -278,7 +284,7 @@ def _tokenizer_dir(args: argparse.Namespace) -> Path | None:
         return args.tokenizer
     if Path(args.model).is_dir():
         return Path(args.model)
-    from services.engine.prepare_model import default_model_dir
+    from services.common.model import default_model_dir
 
     return default_model_dir() if default_model_dir().is_dir() else None
 
@@ -377,7 +383,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from bench.plot import plot_results
+    from services.bench.plot import plot_results
 
     for path in plot_results(args.results, args.out):
         print(path)

@@ -1,10 +1,16 @@
-"""Per-request sampling parameters, validated where they are made."""
+"""What a request asks of sampling, and what it gets back per token.
+
+Free of torch: the gateway checks these, the engine samples with them, and they cross
+the wire between them (``services.common.wire``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# max_tokens of a request that leaves it unset (the gateway's --max-tokens-default).
+DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,15 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of the sampled token and of the top-n candidates at one step."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
 
 
 def _is_int(x: object) -> bool:

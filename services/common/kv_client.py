@@ -1,12 +1,38 @@
-"""KVStoreClient: async puts and gets of KV blocks, streamed in messages of a few MiB."""
+"""Clients of the kvstore: puts and gets of KV blocks streamed in messages of a few MiB, and
+where each block goes (``KVStorePlacement``). Prefill and decode workers use these; the
+kvstore server shares ``batched_by_bytes`` to stream its answers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.batching import batched_by_bytes
+from services.common.registry import rendezvous_owner
+from services.common.registry_view import RegistryView
+
+T = TypeVar("T")
+
+
+def batched_by_bytes(
+    items: Iterable[T], size: Callable[[T], int], max_bytes: int
+) -> Iterator[list[T]]:
+    """Consecutive non-empty batches of at most ``max_bytes``; an item larger than that goes alone."""
+    batch: list[T] = []
+    batch_bytes = 0
+    for item in items:
+        n = size(item)
+        if batch and batch_bytes + n > max_bytes:
+            yield batch
+            batch, batch_bytes = [], 0
+        batch.append(item)
+        batch_bytes += n
+    if batch:
+        yield batch
+
 
 BlockIn = tuple[bytes, bytes | memoryview, int]
 """(key, data, num_tokens) of one block to put."""
@@ -81,3 +107,47 @@ class KVStoreClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+class KVStorePlacement:
+    """Owners of block keys, and one client per kvstore address."""
+
+    def __init__(self, static_address: str | None, view: RegistryView | None = None) -> None:
+        if not static_address and view is None:
+            raise ValueError("a kvstore placement needs an address or a registry view")
+        self.static_address = static_address
+        self.view = view
+        self._clients: dict[str, KVStoreClient] = {}
+
+    def owners(self, keys: Sequence[bytes]) -> list[str]:
+        """The kvstore address of each key; LookupError when no replica is registered."""
+        if self.static_address:
+            return [self.static_address] * len(keys)
+        replicas = self.view.workers("kvstore")
+        if not replicas:
+            raise LookupError(
+                "no kvstore replica is registered in Redis: start one with "
+                "`pdserve kvstore --redis-url URL`"
+            )
+        return [rendezvous_owner(key, replicas).address for key in keys]
+
+    def client(self, address: str) -> KVStoreClient:
+        if address not in self._clients:
+            self._clients[address] = KVStoreClient(address)
+        return self._clients[address]
+
+    async def put(self, layout, blocks, addresses: Sequence[str], timeout: float) -> None:
+        """Push each exported block to its address, the replicas in parallel."""
+        groups = defaultdict(list)
+        for block, address in zip(blocks, addresses, strict=True):
+            groups[address].append((block.key, block.data, block.num_tokens))
+        await asyncio.gather(
+            *(
+                self.client(address).put_blocks(layout, items, timeout=timeout)
+                for address, items in groups.items()
+            )
+        )
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.close() for c in clients))

@@ -42,7 +42,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.metrics import BenchmarkMetrics, Distribution, RequestRecord, request_tpot
+from services.bench.metrics import BenchmarkMetrics, Distribution, RequestRecord, request_tpot
 
 _WIDTH = 50
 _MAX_ERRORS_SHOWN = 5

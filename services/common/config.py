@@ -1,0 +1,389 @@
+"""The settings of every pdserve process, one frozen dataclass each (see ``settings``).
+
+They live together, free of torch, because they cross process boundaries: ``pdserve up``
+turns them into its children's flags, a gateway reads the same ``PDSERVE_*`` variables
+as the workers beside it, and one list of them (``ALL_SETTINGS``) tells a misspelled
+variable from a setting of another command. Every service's settings start with its
+``server`` group and end with ``log``, so every ``--help`` reads the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from services.common.sampling import DEFAULT_MAX_TOKENS
+from services.common.settings import check, setting
+from services.common.sizes import parse_size
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where a service listens, and how long it drains on SIGTERM."""
+
+    GROUP: ClassVar[str] = "server"
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "port to listen on; 0 picks a free one (printed in the READY line)")
+    drain_timeout: float = setting(30.0, "seconds running requests get to finish on SIGTERM")
+
+    def __post_init__(self) -> None:
+        check(bool(self.host), "--host must not be empty")
+        check(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
+        check(self.drain_timeout > 0, f"--drain-timeout must be positive, got {self.drain_timeout}")
+
+
+def server(port: int, drain_timeout: float = 30.0) -> ServerSettings:
+    """A service's default server group (each service has its own default port)."""
+    return setting(default_factory=lambda: ServerSettings(port=port, drain_timeout=drain_timeout))
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """How a process logs."""
+
+    GROUP: ClassVar[str] = "logging"
+
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = setting(
+        "text", "text, or json: one JSON object per line", choices=("text", "json")
+    )
+
+    def __post_init__(self) -> None:
+        levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+        check(
+            self.log_level.upper() in levels,
+            f"--log-level must be one of {', '.join(levels)}, got {self.log_level!r}",
+        )
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """The Redis that holds the registry of a cluster."""
+
+    GROUP: ClassVar[str] = "control plane"
+
+    redis_url: str | None = setting(
+        None,
+        "the cluster's Redis (e.g. redis://127.0.0.1:6379/0): workers and kvstores register "
+        "there and gateways find them there; unset: no registry",
+    )
+    redis_prefix: str = setting(
+        "pdserve", "key prefix of the registry: clusters sharing one Redis use different ones"
+    )
+
+    def __post_init__(self) -> None:
+        check(bool(self.redis_prefix), "--redis-prefix must not be empty")
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """How a worker or kvstore registers itself."""
+
+    GROUP: ClassVar[str] = "control plane"
+
+    redis: RedisSettings = setting(default_factory=RedisSettings)
+    registry_ttl: float = setting(5.0, "seconds a registry entry outlives the last heartbeat")
+    advertise_address: str | None = setting(
+        None,
+        "HOST:PORT others should dial (default: the bound address; set it when binding "
+        "0.0.0.0, e.g. to the pod IP)",
+    )
+
+    def __post_init__(self) -> None:
+        check(self.registry_ttl > 0, f"--registry-ttl must be positive, got {self.registry_ttl}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes an engine (each field is a flag, e.g. ``--max-num-seqs``)."""
+
+    GROUP: ClassVar[str] = "engine"
+
+    model: str | None = setting(
+        None,
+        "checkpoint directory (Hugging Face Llama/Qwen2/Mistral layout); default: the "
+        "prepared SmolLM2-135M-Instruct (see `pdserve prepare-model`)",
+    )
+    dtype: str = setting(
+        "auto",
+        "weights and KV cache dtype: auto (the checkpoint's on CUDA, float32 on CPU), "
+        "float32, bfloat16, float16",
+    )
+    device: str = setting("auto", "auto (cuda if available, else cpu), cpu, or cuda[:N]")
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    kv_cache_memory: str = setting("1GiB", "memory for the KV cache, e.g. 512MiB or 2GiB")
+    num_kv_blocks: int | None = setting(None, "number of KV blocks (overrides --kv-cache-memory)")
+    max_num_batched_tokens: int = setting(
+        1024, "token budget of one step; longer prompts are prefilled in chunks"
+    )
+    max_num_seqs: int = setting(64, "most sequences running at once")
+    max_model_len: int | None = setting(
+        None, "longest prompt + output in tokens (default: the model's limit)"
+    )
+    enable_prefix_caching: bool = setting(
+        True, "reuse KV blocks of earlier prompts with the same prefix"
+    )
+    attention_backend: str = setting(
+        "auto", "auto (triton on CUDA, torch elsewhere), torch or triton"
+    )
+    num_threads: int | None = setting(None, "torch CPU threads (default: torch's choice)")
+    seed: int = setting(0, "seed of unseeded random sampling")
+
+    def __post_init__(self) -> None:
+        check(
+            self.dtype in ("auto", *DTYPES),
+            f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",
+        )
+        check(
+            self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+            f"--device must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
+        check(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            f"--block-size must be a power of two, got {self.block_size!r}",
+        )
+        check(parse_kv_size(self.kv_cache_memory) > 0, "--kv-cache-memory must be positive")
+        for flag, value, least in (
+            ("--num-kv-blocks", self.num_kv_blocks, 1),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
+            ("--max-num-seqs", self.max_num_seqs, 1),
+            ("--max-model-len", self.max_model_len, 2),
+            ("--num-threads", self.num_threads, 1),
+        ):
+            check(value is None or value >= least, f"{flag} must be >= {least}, got {value}")
+        check(
+            self.attention_backend in ("auto", "torch", "triton"),
+            f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}",
+        )
+
+
+def parse_kv_size(text: str) -> int:
+    """``--kv-cache-memory`` in bytes; SettingsError naming the flag when unreadable."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        check(False, f"--kv-cache-memory: {error}")
+        raise
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """A prefill worker."""
+
+    GROUP: ClassVar[str] = "prefill"
+
+    server: ServerSettings = server(50071)
+    kvstore: str | None = setting(
+        None,
+        "the kvstore to push blocks to (HOST:PORT); default: the kvstore replicas registered "
+        "in --redis-url, each block to its owner by rendezvous hashing",
+    )
+    registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    engine: EngineArgs = setting(default_factory=EngineArgs)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        check(
+            bool(self.kvstore or self.registry.redis.redis_url),
+            "a prefill worker needs a kvstore: pass --kvstore HOST:PORT, or --redis-url to use "
+            "the kvstore replicas registered there",
+        )
+        if self.kvstore:
+            check_address(self.kvstore, "--kvstore")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """A decode worker (it also prefills prompts sent without a first token)."""
+
+    GROUP: ClassVar[str] = "decode"
+
+    server: ServerSettings = server(50081)
+    registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    engine: EngineArgs = setting(default_factory=EngineArgs)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+
+@dataclass(frozen=True)
+class KVStoreSettings:
+    """A kvstore replica."""
+
+    GROUP: ClassVar[str] = "kvstore"
+
+    server: ServerSettings = server(50061, drain_timeout=5.0)
+    capacity_bytes: str = setting(
+        "2GiB", "memory for blocks, e.g. 512MiB or 2GiB; least recently used out first"
+    )
+    registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        try:
+            size = parse_size(self.capacity_bytes)
+        except ValueError as error:
+            check(False, f"--capacity-bytes: {error}")
+        check(size >= 1, f"--capacity-bytes must be positive, got {self.capacity_bytes}")
+
+    @property
+    def capacity(self) -> int:
+        """``--capacity-bytes`` in bytes."""
+        return parse_size(self.capacity_bytes)
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    """How a gateway picks workers."""
+
+    GROUP: ClassVar[str] = "routing"
+
+    routing: str = setting(
+        "prefix",
+        "prefix: the worker with the lowest prefix_weight*uncached_blocks + "
+        "load_weight*load_blocks; round-robin: in turn",
+        choices=("prefix", "round-robin"),
+    )
+    route_prefix_weight: float = setting(1.0, "cost of a prompt block the worker lacks")
+    route_load_weight: float = setting(0.5, "cost of a KV block in use on the worker")
+    local_prefill_threshold: int = setting(
+        0,
+        "conditional disaggregation: a prompt whose uncached part on the chosen decode worker "
+        "is shorter than this many tokens is prefilled there; 0: always use the prefill pool",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            self.route_prefix_weight >= 0 and self.route_load_weight >= 0,
+            "--route-prefix-weight and --route-load-weight must be 0 or more",
+        )
+        check(
+            self.local_prefill_threshold >= 0,
+            f"--local-prefill-threshold must be 0 or more, got {self.local_prefill_threshold}",
+        )
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Where the gateway listens, which workers it sends to, and its limits."""
+
+    GROUP: ClassVar[str] = "gateway"
+
+    server: ServerSettings = server(50051, drain_timeout=10.0)
+    http_port: int = setting(
+        8000, "port of the OpenAI REST API on the same host; 0: any free port, -1: off"
+    )
+    served_model_name: str | None = setting(
+        None, "the model name the REST API serves and expects (default: the model dir's name)"
+    )
+    prefill_addrs: tuple[str, ...] = setting(
+        (),
+        "a prefill worker (repeatable; the variable is comma-separated)",
+        flag="--prefill",
+        metavar="HOST:PORT",
+    )
+    decode_addrs: tuple[str, ...] = setting(
+        (),
+        "a decode worker (repeatable; the variable is comma-separated)",
+        flag="--decode",
+        metavar="HOST:PORT",
+    )
+    disaggregation: bool = setting(
+        True, "on: prefill on prefill workers, KV through the kvstore; off: decode workers do both"
+    )
+    model: str | None = setting(None, "checkpoint dir (default: the prepared SmolLM2)")
+    max_model_len: int | None = setting(
+        None, "longest prompt + output in tokens (default: the model's limit)"
+    )
+    max_tokens_default: int = setting(
+        DEFAULT_MAX_TOKENS, "max_tokens of a request that leaves it unset"
+    )
+    prefill_timeout: float = setting(60.0, "seconds a Prefill call may take")
+    decode_timeout: float = setting(600.0, "seconds a Decode stream may take")
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' on the REST API's /v1 routes (default: open)",
+        secret=True,
+    )
+    max_body_bytes: int = setting(4 << 20, "largest REST request body; a larger one gets 413")
+    max_concurrent_requests: int = setting(
+        256, "REST requests generating at once; more wait in the queue"
+    )
+    max_queued_requests: int = setting(
+        512, "REST requests waiting for a slot; past that, 429 with Retry-After"
+    )
+    queue_timeout: float = setting(30.0, "seconds a queued REST request waits before a 429")
+    routing: RoutingSettings = setting(default_factory=RoutingSettings)
+    redis: RedisSettings = setting(default_factory=RedisSettings)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        if self.redis.redis_url:
+            check(
+                not self.decode_addrs and not self.prefill_addrs,
+                "pass either --redis-url (the pools come from the registry) or --prefill/"
+                "--decode addresses, not both",
+            )
+        else:
+            check(
+                bool(self.decode_addrs),
+                "no decode worker: pass --decode HOST:PORT (repeat it for several workers), "
+                "or --redis-url to find the workers registered there",
+            )
+            check(
+                not self.disaggregation or bool(self.prefill_addrs),
+                "--disaggregation on needs a prefill worker: pass --prefill HOST:PORT, or use "
+                "--disaggregation off to let decode workers prefill prompts themselves",
+            )
+        for address in (*self.prefill_addrs, *self.decode_addrs):
+            check_address(address, "a worker address")
+        check(
+            -1 <= self.http_port <= 65535,
+            f"--http-port must be in [0, 65535], or -1 to turn the REST API off; got "
+            f"{self.http_port}",
+        )
+        check(
+            self.served_model_name is None or bool(self.served_model_name.strip()),
+            "--served-model-name must not be empty",
+        )
+        check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"--max-model-len must be at least 2, got {self.max_model_len}",
+        )
+        check(
+            self.max_tokens_default >= 1,
+            f"--max-tokens-default must be at least 1, got {self.max_tokens_default}",
+        )
+        check(
+            self.api_key is None or bool(self.api_key.strip()),
+            "--api-key must not be empty (leave it unset for an open REST API)",
+        )
+        check(
+            self.max_body_bytes >= 1024,
+            f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}",
+        )
+        check(
+            self.max_concurrent_requests >= 1,
+            f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}",
+        )
+        check(
+            self.max_queued_requests >= 0,
+            f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}",
+        )
+        for flag, value in (
+            ("--queue-timeout", self.queue_timeout),
+            ("--prefill-timeout", self.prefill_timeout),
+            ("--decode-timeout", self.decode_timeout),
+        ):
+            check(value > 0, f"{flag} must be a positive number of seconds, got {value}")
+
+
+def check_address(address: str, what: str) -> None:
+    """Refuse an address that is not HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    check(
+        bool(host) and port.isdigit(),
+        f"{what} {address!r} is not HOST:PORT (e.g. 127.0.0.1:50061)",
+    )

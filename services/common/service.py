@@ -1,0 +1,105 @@
+"""``run_service``: how every pdserve service starts, announces itself and stops.
+
+A service supplies its settings class and an async ``start`` that builds what it serves
+and returns a ``Serving``. ``run_service`` does the rest, the same for all: flags and
+``PDSERVE_*`` variables into settings (exit 2 naming a bad one), logging (text or JSON),
+a warning for unknown ``PDSERVE_*`` variables, SIGTERM/SIGINT, registration in the
+registry, the ``READY <name> HOST:PORT`` line launchers wait for, and on a signal the
+drain: deregister first (gateways drop the worker at once), report NOT_SERVING, let
+running calls finish for ``--drain-timeout`` seconds, then release every resource
+``start`` registered, last made first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from services.common.command_config import known_env
+from services.common.grpc_utils import host_port
+from services.common.logs import configure_logging
+from services.common.registry_publisher import RegistryPublisher
+from services.common.settings import parse_settings, warn_unknown_env
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
+# Between deregistering and refusing calls: time for gateways to hear the "down" event.
+DEREGISTER_PAUSE_S = 0.3
+
+
+@dataclass
+class Serving:
+    """What a started service hands to ``run_service``."""
+
+    server: grpc.aio.Server  # from grpc_utils.start_server: health and reflection included
+    port: int  # the bound port
+    publisher: RegistryPublisher | None = None  # started after the server, stopped first
+    ready_lines: list[tuple[str, str]] = field(default_factory=list)  # more READY lines
+    # Drained beside the gRPC server, given the same grace seconds (e.g. the REST server).
+    drains: list[Callable[[float], Awaitable[None]]] = field(default_factory=list)
+
+
+StartFn = Callable[[Any, contextlib.AsyncExitStack], Awaitable[Serving]]
+
+
+def run_service(
+    name: str, cls: type[S], argv: Sequence[str] | None, description: str, start: StartFn
+) -> int:
+    """Run service ``name`` until SIGTERM or SIGINT; the process's exit code.
+
+    ``start(settings, resources)`` builds the service; whatever it registers on
+    ``resources`` (an AsyncExitStack) is released when the service stops or fails to start.
+    """
+    settings = parse_settings(cls, argv, prog=f"pdserve {name}", description=description)
+    configure_logging(settings.log)
+    warn_unknown_env(known_env())
+    logger.info("%s settings: %s", name, settings)
+    try:
+        asyncio.run(_serve(name, settings, start))
+    except (ValueError, FileNotFoundError) as error:  # a bad setting or model directory
+        print(f"pdserve {name}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # e.g. the port is taken
+        print(f"pdserve {name}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(name: str, settings: Any, start: StartFn) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with contextlib.AsyncExitStack() as resources:
+            serving = await start(settings, resources)
+            if serving.publisher is not None:
+                await serving.publisher.start()
+            print(f"READY {name} {host_port(settings.server.host, serving.port)}", flush=True)
+            for ready_name, address in serving.ready_lines:
+                print(f"READY {ready_name} {address}", flush=True)
+            await stop.wait()
+            await _drain(serving, settings.server.drain_timeout)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    logger.info("%s stopped", name)
+
+
+async def _drain(serving: Serving, grace_s: float) -> None:
+    logger.info("draining: running calls get %.0f s", grace_s)
+    if serving.publisher is not None:
+        await serving.publisher.stop()
+    await serving.server.health_servicer.enter_graceful_shutdown()
+    if serving.publisher is not None:
+        await asyncio.sleep(DEREGISTER_PAUSE_S)
+    await asyncio.gather(serving.server.stop(grace=grace_s), *(d(grace_s) for d in serving.drains))

@@ -1,0 +1,75 @@
+"""What the engine's layers hand each other and their callers, as typed values.
+
+``ModelRunnerOutput``: one step's samples (runner -> scheduler). ``StepOutput``: what one
+engine step did (engine -> its driver). ``RequestDelta``: one request's new tokens
+(AsyncEngine -> a worker). ``EngineStats`` and ``EngineInfo``: counters and fixed facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.kv_blocks import BlockLayout, ExportedBlock
+from services.common.sampling import TokenLogprobs
+from services.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """One step's samples, index-aligned with the scheduled batch's sequences.
+
+    ``token_ids[i]`` is the token sampled for ``batch.seqs[i]``, None when its step was a
+    prompt chunk that did not reach the prompt's end; ``logprobs[i]`` its logprobs when the
+    request asked for them.
+    """
+
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step did: the requests that got a token, and those that finished."""
+
+    advanced: list[Sequence]
+    finished: list[Sequence]
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """New tokens of one request after an engine step; ``finish_reason`` on the last one."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    num_imported_tokens: int = 0
+    exported: list[ExportedBlock] | None = None  # a prefilled request: the prompt's blocks
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters a user, a test or a registry heartbeat reads: cache hits, preemptions, blocks."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    num_imported_blocks: int = 0
+    num_imported_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is, fixed at start: safe to read from any thread."""
+
+    model_name: str
+    fingerprint: bytes
+    layout: BlockLayout
+    num_total_blocks: int
+    max_num_seqs: int
+    max_model_len: int

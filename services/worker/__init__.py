@@ -1,0 +1,1 @@
+"""What prefill and decode workers share around their engine: start, registry entry, stop."""

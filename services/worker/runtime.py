@@ -1,0 +1,85 @@
+"""An engine worker's life: load the engine onto its thread, serve it over gRPC, register it.
+
+A worker started with ``--redis-url`` registers itself (address, role, model fingerprint,
+block size, capacity); its heartbeat publishes its load, read from the engine's stats
+snapshot without waiting for a step, and the block hashes its prefix cache stores and
+evicts. ``run_service`` does the rest (READY line, drain on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from services.common.grpc_utils import host_port, start_server
+from services.common.registry_publisher import RegistryPublisher, publisher_for
+from services.common.service import Serving
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import LLMEngine
+from services.engine.prepare_model import resolve_model
+
+
+def start_engine(settings: Any, resources: contextlib.AsyncExitStack) -> AsyncEngine:
+    """Load ``settings.engine``'s model into an engine on its own thread (stopped with
+    ``resources``). ValueError / FileNotFoundError for a bad model or engine setting."""
+    path = resolve_model(settings.engine.model)
+    args = dataclasses.replace(settings.engine, model=str(path))
+    engine = AsyncEngine(LLMEngine(args, str(path)))
+    resources.callback(engine.shutdown)
+    return engine
+
+
+def engine_publisher(
+    settings: Any, role: str, port: int, engine: AsyncEngine
+) -> RegistryPublisher | None:
+    """The worker's registry publisher, or None without ``--redis-url``."""
+    info = engine.info
+
+    async def load() -> dict:
+        s = engine.stats
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_free_blocks": s.num_free_blocks,
+            "num_cached_blocks": s.num_cached_blocks,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "requests_total": engine.num_requests,
+        }
+
+    async def blocks(full: bool) -> tuple[list[bytes], list[bytes]]:
+        return await engine.call(lambda e: e.drain_block_events(full))
+
+    return publisher_for(
+        settings.registry,
+        role,
+        settings.server.host,
+        port,
+        load,
+        blocks,
+        model=info.model_name,
+        fingerprint=info.fingerprint.hex(),
+        block_size=info.layout.block_size,
+        num_total_blocks=info.num_total_blocks,
+        max_num_seqs=info.max_num_seqs,
+    )
+
+
+async def serve_engine(
+    settings: Any,
+    resources: contextlib.AsyncExitStack,
+    role: str,
+    engine: AsyncEngine,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    service_name: str,
+) -> Serving:
+    """Serve ``engine`` as ``role`` on the settings' port; the Serving for run_service."""
+    server, port = await start_server(
+        host_port(settings.server.host, settings.server.port), [add_servicer], [service_name]
+    )
+    resources.push_async_callback(server.stop, None)
+    return Serving(server, port, engine_publisher(settings, role, port, engine))

@@ -1,0 +1,62 @@
+"""The gateway and the kvstore start as real processes without loading torch (``-X importtime``
+lists every module they import), and warn about a misspelled ``PDSERVE_*`` variable."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from services.common.launcher import Launcher
+from tests.cluster import ROOT
+
+HEAVY = ("torch", "transformers", "triton")
+
+
+def imported_modules(log: str) -> set[str]:
+    """Module names from ``-X importtime`` lines: "import time: self | cumulative | name"."""
+    names = set()
+    for line in log.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "imported package":
+                names.add(name)
+    return names
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    launcher = Launcher(tmp_path, cwd=ROOT)
+    yield launcher
+    launcher.stop_all()
+
+
+@pytest.mark.parametrize(
+    ("service", "args", "expect"),
+    [
+        ("kvstore", ["--capacity-bytes", "8MiB"], ["kvstore"]),
+        (
+            "gateway",
+            ["--decode", "127.0.0.1:1", "--disaggregation", "off", "--http-port", "0"],
+            ["gateway", "gateway-http"],
+        ),
+    ],
+)
+def test_service_starts_and_serves_without_torch(
+    launcher, tiny_chat_llama_path, service, args, expect
+):
+    argv = [sys.executable, "-X", "importtime", "-m", f"services.{service}", "--port", "0", *args]
+    if service == "gateway":
+        argv += ["--model", str(tiny_chat_llama_path)]
+    env = {"PDSERVE_CAPACITY_BYTE": "1MiB"}  # misspelled: PDSERVE_CAPACITY_BYTES
+    child = launcher.start_ready(service, argv, expect, timeout=60, env=env)
+    child.signal(signal.SIGTERM)
+    assert child.proc.wait(30) == 0
+    log = child.log_text()
+    modules = imported_modules(log)
+    assert "grpc" in modules and len(modules) > 200  # the check sees the real imports
+    heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
+    assert heavy == [], f"{service} imported {heavy[:5]}"
+    assert "PDSERVE_CAPACITY_BYTE is not a pdserve setting" in log
+    assert "did you mean PDSERVE_CAPACITY_BYTES?" in log
