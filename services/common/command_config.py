@@ -14,9 +14,9 @@ from services.common.config import (
     LogSettings,
     PrefillSettings,
     RedisSettings,
+    size_setting,
 )
 from services.common.settings import check, env_names, setting
-from services.common.sizes import parse_size
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,7 @@ class UpSettings:
             check(0 <= port <= 65535, f"{flag} must be between 0 and 65535, got {port}")
         check(-1 <= self.http_port <= 65535, f"--http-port must be -1 to 65535: {self.http_port}")
         check(self.startup_timeout > 0, "--startup-timeout must be a positive number of seconds")
-        try:
-            parse_size(self.kvstore_capacity)
-        except ValueError as error:
-            check(False, f"--kvstore-capacity: {error}")
+        size_setting("--kvstore-capacity", self.kvstore_capacity)
 
     @property
     def prefill_workers(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from services.common.sampling import DEFAULT_MAX_TOKENS
-from services.common.settings import check, setting
+from services.common.settings import SettingsError, check, setting
 from services.common.sizes import parse_size
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -146,7 +146,10 @@ class EngineArgs:
             self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
             f"--block-size must be a power of two, got {self.block_size!r}",
         )
-        check(parse_kv_size(self.kv_cache_memory) > 0, "--kv-cache-memory must be positive")
+        check(
+            size_setting("--kv-cache-memory", self.kv_cache_memory) > 0,
+            "--kv-cache-memory must be positive",
+        )
         for flag, value, least in (
             ("--num-kv-blocks", self.num_kv_blocks, 1),
             ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
@@ -161,13 +164,12 @@ class EngineArgs:
         )
 
 
-def parse_kv_size(text: str) -> int:
-    """``--kv-cache-memory`` in bytes; SettingsError naming the flag when unreadable."""
+def size_setting(flag: str, value: str | int) -> int:
+    """A size flag's value in bytes ("2GiB"); SettingsError naming the flag when unreadable."""
     try:
-        return parse_size(text)
+        return parse_size(value)
     except ValueError as error:
-        check(False, f"--kv-cache-memory: {error}")
-        raise
+        raise SettingsError(f"{flag}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -222,10 +224,7 @@ class KVStoreSettings:
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
-        try:
-            size = parse_size(self.capacity_bytes)
-        except ValueError as error:
-            check(False, f"--capacity-bytes: {error}")
+        size = size_setting("--capacity-bytes", self.capacity_bytes)
         check(size >= 1, f"--capacity-bytes must be positive, got {self.capacity_bytes}")
 
     @property

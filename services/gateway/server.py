@@ -23,7 +23,10 @@ from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
 from services.common.tokenizer import Tokenizer
+from services.gateway.admission import Admission
 from services.gateway.generation import REQUEST_ERRORS, generate
+from services.gateway.http import HttpServer
+from services.gateway.openai_api import Served, create_app
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import InvalidRequest, ModelLimits, prepare
 from services.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
@@ -129,11 +132,14 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     return serving
 
 
-async def _start_http(settings: GatewaySettings, orchestrator, tokenizer, limits, model_dir_name):
+async def _start_http(
+    settings: GatewaySettings,
+    orchestrator: Orchestrator,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+    model_dir_name: str,
+) -> HttpServer:
     """The OpenAI REST API on --http-port, with its guards."""
-    from services.gateway.admission import Admission
-    from services.gateway.http import HttpServer
-    from services.gateway.openai_api import Served, create_app
 
     served = Served(
         orchestrator,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
+from services.common.config import DecodeSettings, PrefillSettings
 from services.common.grpc_utils import host_port, start_server
 from services.common.registry_publisher import RegistryPublisher, publisher_for
 from services.common.service import Serving
@@ -23,7 +23,9 @@ from services.engine.engine import LLMEngine
 from services.engine.prepare_model import resolve_model
 
 
-def start_engine(settings: Any, resources: contextlib.AsyncExitStack) -> AsyncEngine:
+def start_engine(
+    settings: PrefillSettings | DecodeSettings, resources: contextlib.AsyncExitStack
+) -> AsyncEngine:
     """Load ``settings.engine``'s model into an engine on its own thread (stopped with
     ``resources``). ValueError / FileNotFoundError for a bad model or engine setting."""
     path = resolve_model(settings.engine.model)
@@ -34,7 +36,7 @@ def start_engine(settings: Any, resources: contextlib.AsyncExitStack) -> AsyncEn
 
 
 def engine_publisher(
-    settings: Any, role: str, port: int, engine: AsyncEngine
+    settings: PrefillSettings | DecodeSettings, role: str, port: int, engine: AsyncEngine
 ) -> RegistryPublisher | None:
     """The worker's registry publisher, or None without ``--redis-url``."""
     info = engine.info
@@ -70,7 +72,7 @@ def engine_publisher(
 
 
 async def serve_engine(
-    settings: Any,
+    settings: PrefillSettings | DecodeSettings,
     resources: contextlib.AsyncExitStack,
     role: str,
     engine: AsyncEngine,

@@ -25,8 +25,8 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
-def run(llm: LLM, seq) -> None:
-    """Step the engine until ``seq`` (and everything else) is done."""
+def run(llm: LLM) -> None:
+    """Step the engine until every request is done."""
     while llm.engine.has_unfinished():
         llm.engine.step()
 
@@ -38,7 +38,7 @@ def run(llm: LLM, seq) -> None:
 def test_prefill_only_stops_at_the_first_token_with_the_one_stop_check(llms, params, reason):
     prefill, _ = llms
     seq = prefill.engine.add_request(PROMPT, params, f"p-{reason}", prefill_only=True)
-    run(prefill, seq)
+    run(prefill)
     assert seq.num_output_tokens == 1 and seq.finish_reason == reason
     if reason == PREFILLED:
         blocks = prefill.engine.export_prompt_blocks(seq.request_id)
@@ -51,7 +51,7 @@ def test_the_first_token_ending_the_request_is_a_stop_on_the_prefill_worker(llms
     (want,) = prefill.generate([PROMPT], greedy(1))
     params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(want.token_ids[0],))
     seq = prefill.engine.add_request(PROMPT, params, "p-stop", prefill_only=True)
-    run(prefill, seq)
+    run(prefill)
     assert seq.finish_reason == "stop"
     assert prefill.stats().num_free_blocks == prefill.stats().num_total_blocks
 
@@ -59,8 +59,8 @@ def test_the_first_token_ending_the_request_is_a_stop_on_the_prefill_worker(llms
 async def test_a_handover_fetches_past_the_local_prefix_and_streams_after_the_first_token(llms):
     prefill, decode = llms
     (want,) = prefill.generate([PROMPT], greedy(10))
-    seq = prefill.engine.add_request(PROMPT, greedy(10), "h-1", prefill_only=True)
-    run(prefill, seq)
+    prefill.engine.add_request(PROMPT, greedy(10), "h-1", prefill_only=True)
+    run(prefill)
     exported = {b.key: b.data for b in prefill.engine.export_prompt_blocks("h-1")}
     keys = list(exported)
     decode.generate([PROMPT[:32] + [7]], greedy(1))  # its own cache: the first 2 blocks
