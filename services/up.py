@@ -94,7 +94,8 @@ def run(settings: UpSettings, model: str) -> int:
         signal.signal(sig, on_signal)
     log_dir = Path(settings.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     own = env_names([UpSettings])
-    launcher = Launcher(log_dir, env={k: v for k, v in os.environ.items() if k not in own})
+    env = {k: v for k, v in os.environ.items() if k not in own}
+    launcher = Launcher(log_dir, env=env, die_with_launcher=True)
     redis = None
     try:
         print(f"pdserve up: logs in {log_dir}", flush=True)

@@ -4,9 +4,10 @@ benchmark scripts all use ``Launcher``.
 A pdserve service prints ``READY <name> HOST:PORT`` on stdout once it serves (the gateway
 prints a second line, ``READY gateway-http HOST:PORT``); a process that prints no such
 line (Redis, another vendor's server) is ready when a probe says so. Each child gets its
-own process group, so stopping it also stops what it started; SIGTERM reaches it when the
-launcher dies. Its stdout and stderr go to ``<log_dir>/<name>.log``, read by a thread that
-also takes the READY lines, so no pipe ever fills. Every PID it starts, it ends.
+own process group, so stopping it also stops what it started (and a terminal's Ctrl-C
+reaches only the launcher); `pdserve up`'s children also get SIGTERM when it dies. Its
+stdout and stderr go to ``<log_dir>/<name>.log``, read by a thread that also takes the
+READY lines, so no pipe ever fills. Every PID it starts, it ends.
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class Child:
 
 
 def child_setup(cpus: Iterable[int] | None = None) -> Callable[[], None]:
-    """A ``preexec_fn``: a process group of its own (a terminal's Ctrl-C reaches only the
-    launcher, which stops children in order), SIGTERM when the launcher dies, and ``cpus``.
+    """The ``preexec_fn`` of ``die_with_launcher``: a process group of its own (a terminal's
+    Ctrl-C reaches only the launcher, which stops children in order), SIGTERM when the
+    launcher dies, and ``cpus``.
 
     The kernel sends that SIGTERM when the *thread* that started the child exits, so only
     children started from the main thread get it (a pool thread may end at any time)."""
@@ -155,12 +157,20 @@ class Launcher:
     """Starts children, waits for them to be ready, restarts and stops them."""
 
     def __init__(
-        self, log_dir: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+        self,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        die_with_launcher: bool = False,
     ) -> None:
+        """``die_with_launcher``: children get SIGTERM when this process dies (`pdserve up`).
+        It needs a ``preexec_fn``, so a fork that runs the parent's fork handlers: leave it off
+        in a process that has loaded gRPC (its fork handler aborts the child), e.g. tests."""
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         self.cwd = cwd
+        self.die_with_launcher = die_with_launcher
         self.children: list[Child] = []
 
     def start(
@@ -192,6 +202,10 @@ class Launcher:
         with open(child.log_path, "ab") as log:
             log.write(f"$ {' '.join(child.argv)}\n".encode())
             log.flush()
+            if self.die_with_launcher:
+                spawn = {"preexec_fn": child_setup(child.cpus)}
+            else:  # vfork and exec: no fork handlers run, no Python code in the child
+                spawn = {"process_group": 0}
             child.proc = subprocess.Popen(
                 child.argv,
                 cwd=self.cwd,
@@ -199,8 +213,11 @@ class Launcher:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                preexec_fn=child_setup(child.cpus),
+                **spawn,
             )
+        if child.cpus and not self.die_with_launcher:
+            # Before the child's runtime starts its threads, which inherit the mask.
+            os.sched_setaffinity(child.proc.pid, child.cpus)
         threading.Thread(
             target=child._read, args=(child.proc.stdout,), name=f"{child.name}-stdout", daemon=True
         ).start()

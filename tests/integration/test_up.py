@@ -105,15 +105,30 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
         assert body["usage"]["completion_tokens"] > 0
         assert body["choices"][0]["finish_reason"] in ("stop", "length")
 
-        status = subprocess.run(
-            [sys.executable, "-m", "services.cli", "status", "--redis-url", redis_url, "--json"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert status.returncode == 0, status.stderr
-        pools = json.loads(status.stdout)["pools"]
+        # A worker reports its load a heartbeat (0.2 s) late: read until the request shows.
+        deadline = time.monotonic() + 5
+        while True:
+            status = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.cli",
+                    "status",
+                    "--redis-url",
+                    redis_url,
+                    "--json",
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert status.returncode == 0, status.stderr
+            pools = json.loads(status.stdout)["pools"]
+            decode = pools["decode"]["workers"]
+            if (decode and decode[0]["requests_total"] >= 1) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert {role: len(p["workers"]) for role, p in pools.items()} == {
             "prefill": 1,
             "decode": 1,

@@ -93,6 +93,9 @@ def test_stop_ends_the_process_group_and_kills_what_ignores_sigterm(launcher):
 
 def test_cpus_pin_the_child(launcher):
     cpu = sorted(os.sched_getaffinity(0))[0]
-    code = "import os, time; print('READY svc', min(os.sched_getaffinity(0)), flush=True); time.sleep(60)"
+    code = (
+        "import os, time; time.sleep(0.5); print('READY svc', min(os.sched_getaffinity(0)), "
+        "flush=True); time.sleep(60)"
+    )
     child = launcher.start_ready("svc", py(code), ["svc"], timeout=30, cpus=[cpu])
     assert child.address == str(cpu)
