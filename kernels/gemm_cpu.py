@@ -1,0 +1,74 @@
+"""bf16 linears on Intel AMX for decode-sized batches (``csrc/cpu_gemm.c``), from torch.
+
+``pack(weight)`` reorders an ``[N, K]`` bf16 weight once into the kernel's tile layout;
+``linear(x, packed, bias, N)`` computes ``x @ weight.T + bias`` for ``x: [M, K]``. Only
+for CPUs with AMX (``available()``) and shapes with ``K % 32 == 0 and N % 32 == 0``
+(``supports``); the caller keeps another path for the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from kernels.cpu_build import KernelBuildError, bind, load
+
+
+@cache
+def _kernels() -> dict[str, object] | None:
+    try:
+        lib = load("cpu_gemm")
+    except KernelBuildError:
+        return None
+    init = bind(lib, "pd_amx_init", "", restype=ctypes.c_int)
+    if not init():
+        return None
+    return {
+        "pack": bind(lib, "pd_amx_pack", "ppii"),
+        "linear": bind(lib, "pd_amx_linear", "ppppiiii"),
+    }
+
+
+def available() -> bool:
+    """Whether this CPU runs the AMX kernel (and this process may use AMX tiles)."""
+    return _kernels() is not None
+
+
+def supports(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and k % 32 == 0 and n % 32 == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> the same values as [N/16, K/32, 16, 16, 2] B tiles (flat)."""
+    kern = _kernels()
+    if kern is None or not supports(weight):
+        raise ValueError(f"no AMX packing for a {tuple(weight.shape)} {weight.dtype} weight")
+    w = weight.detach().contiguous()
+    out = torch.empty(w.numel(), dtype=torch.bfloat16)
+    kern["pack"](w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
+    return out
+
+
+def linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """[M, K] bf16 -> [M, out_features] bf16 through an AMX-packed weight."""
+    kern = _kernels()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    kern["linear"](
+        x.data_ptr(),
+        packed.data_ptr(),
+        None if bias is None else bias.to(torch.bfloat16).contiguous().data_ptr(),
+        y.data_ptr(),
+        m,
+        out_features,
+        k,
+        torch.get_num_threads(),
+    )
+    return y

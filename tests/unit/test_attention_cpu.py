@@ -1,0 +1,93 @@
+"""The CPU C kernels against the torch reference: every group size, head dim and block size
+path (the AVX-512 specialisations and the portable loops), fp32 and bf16, both layouts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import attention_cpu as cpu
+from kernels import attention_ref as ref
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
+
+
+def _caches(num_blocks, block_size, hkv, d, dtype, head_major, gen):
+    if head_major:  # the engine's layout: [blocks, layers, 2, heads, tokens, dim]
+        kv = torch.randn(num_blocks, 3, 2, hkv, block_size, d, generator=gen).to(dtype)
+        return kv[:, 1, 0].transpose(1, 2), kv[:, 1, 1].transpose(1, 2)
+    kv = torch.randn(num_blocks, 2, 2, block_size, hkv, d, generator=gen).to(dtype)
+    return kv[:, 1, 0], kv[:, 1, 1]
+
+
+def _batch(num_blocks, block_size, lens, gen):
+    width = max(-(-n // block_size) for n in lens)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(perm[start : start + nb] + [0] * (width - nb))
+        start += nb
+    return torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "hkv,group,d,block_size",
+    [
+        (3, 3, 64, 16),  # SmolLM2
+        (2, 4, 32, 16),
+        (1, 8, 128, 32),
+        (2, 1, 64, 16),
+        (2, 9, 64, 16),  # group past the specialised sizes: portable loops
+        (2, 2, 24, 16),  # head dim not a multiple of 16
+        (2, 3, 64, 8),  # block size not a multiple of 16
+    ],
+)
+@pytest.mark.parametrize("head_major", [True, False])
+def test_decode_matches_the_reference(dtype, hkv, group, d, block_size, head_major):
+    gen = torch.Generator().manual_seed(hkv * 100 + group * 10 + d + block_size)
+    lens = [1, 15, 16, 17, 33, 200]
+    kc, vc = _caches(64, block_size, hkv, d, dtype, head_major, gen)
+    tables, seq_lens = _batch(64, block_size, lens, gen)
+    q = torch.randn(len(lens), hkv * group, d, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(d)
+    want = ref.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
+    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_decode_reads_a_strided_query_and_skips_empty_rows():
+    gen = torch.Generator().manual_seed(7)
+    kc, vc = _caches(16, 16, 2, 64, torch.float32, True, gen)
+    tables, seq_lens = _batch(16, 16, [40, 1], gen)
+    qkv = torch.randn(3, 6 * 64 + 2 * 128, generator=gen)  # rows of a fused projection
+    q = qkv[:, : 6 * 64].view(3, 6, 64)
+    tables = torch.cat([tables, tables[:1]])
+    seq_lens = torch.tensor([40, 1, 0], dtype=torch.int32)
+    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    want = ref.paged_decode_attention(q[:2], kc, vc, tables[:2], seq_lens[:2], 0.125)
+    torch.testing.assert_close(got[:2], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[2], torch.zeros(6, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fills_slots_and_skips_padding(dtype):
+    gen = torch.Generator().manual_seed(3)
+    kc, vc = _caches(6, 16, 2, 64, dtype, True, gen)
+    before_k, before_v = kc.clone(), vc.clone()
+    fused = torch.randn(4, 3, 2, 64, generator=gen).to(dtype)  # k and v interleaved: strided
+    k, v = fused[:, 0], fused[:, 1]
+    slots = torch.tensor([0, 37, -1, 90])
+    cpu.write_kv(k, v, kc, vc, slots)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(kc[s // 16, s % 16], k[i])
+            assert torch.equal(vc[s // 16, s % 16], v[i])
+    untouched = torch.ones(6 * 16, dtype=torch.bool)
+    untouched[[0, 37, 90]] = False
+    assert torch.equal(kc.reshape(-1, 2, 64)[untouched], before_k.reshape(-1, 2, 64)[untouched])
+    assert torch.equal(vc.reshape(-1, 2, 64)[untouched], before_v.reshape(-1, 2, 64)[untouched])
