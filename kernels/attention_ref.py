@@ -23,9 +23,13 @@ def write_kv(
     """Write new tokens' K and V into their cache slots.
 
     key, value: [num_tokens, num_kv_heads, head_dim]
-    slot_mapping: [num_tokens] int64, slot of each token.
+    slot_mapping: [num_tokens] int64, slot of each token; a negative slot (a padding row)
+        is skipped.
     """
     block_size = key_cache.shape[1]
+    real = slot_mapping >= 0
+    if not bool(real.all()):
+        key, value, slot_mapping = key[real], value[real], slot_mapping[real]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
     key_cache[blocks, offsets] = key.to(key_cache.dtype)

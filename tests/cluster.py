@@ -22,6 +22,10 @@ class Cluster:
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
             # A gateway's REST API on any free port, so that several gateways can run.
             "PDSERVE_HTTP_PORT": os.environ.get("PDSERVE_HTTP_PORT", "0"),
+            # Workers run the plain model: these tests are about the services, and each
+            # compiled start costs seconds. The compiled step has its own exactness tests
+            # (test_exactness_*), and test_up runs it through a real cluster.
+            "PDSERVE_ENFORCE_EAGER": os.environ.get("PDSERVE_ENFORCE_EAGER", "1"),
         }
         self.launcher = Launcher(log_dir, env=env, cwd=ROOT)
 

@@ -110,8 +110,9 @@ class EngineArgs:
     )
     dtype: str = setting(
         "auto",
-        "weights and KV cache dtype: auto (the checkpoint's on CUDA, float32 on CPU), "
-        "float32, bfloat16, float16",
+        "weights and KV cache dtype: auto (the checkpoint's on CUDA; on the CPU the faster of "
+        "float32 and bfloat16, timed once on this machine), float32 (the exactness mode), "
+        "bfloat16, float16",
     )
     device: str = setting("auto", "auto (cuda if available, else cpu), cpu, or cuda[:N]")
     block_size: int = setting(16, "tokens per KV block (a power of two)")
@@ -128,7 +129,13 @@ class EngineArgs:
         True, "reuse KV blocks of earlier prompts with the same prefix"
     )
     attention_backend: str = setting(
-        "auto", "auto (triton on CUDA, torch elsewhere), torch or triton"
+        "auto",
+        "auto (triton on CUDA; on the CPU the C kernels, or torch where they do not build), "
+        "cpu, torch (the plain-torch reference) or triton",
+    )
+    enforce_eager: bool = setting(
+        False,
+        "run the plain PyTorch model: no CUDA graphs on CUDA, no inductor compile on the CPU",
     )
     num_threads: int | None = setting(None, "torch CPU threads (default: torch's choice)")
     seed: int = setting(0, "seed of unseeded random sampling")
@@ -159,8 +166,9 @@ class EngineArgs:
         ):
             check(value is None or value >= least, f"{flag} must be >= {least}, got {value}")
         check(
-            self.attention_backend in ("auto", "torch", "triton"),
-            f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}",
+            self.attention_backend in ("auto", "cpu", "torch", "triton"),
+            f"--attention-backend must be auto, cpu, torch or triton, got "
+            f"{self.attention_backend!r}",
         )
 
 

@@ -59,10 +59,11 @@ class LayoutMismatch(ValueError):
 
 @dataclass(frozen=True)
 class ExportedBlock:
-    """One block of a prompt's KV, ready to send."""
+    """One block of a prompt's KV, ready to send (``data``: the block's bytes, or a view of
+    a copy made for the export; a PutBlocks message turns it into bytes)."""
 
     key: bytes
-    data: bytes
+    data: bytes | memoryview
     num_tokens: int
 
 

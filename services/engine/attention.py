@@ -1,20 +1,25 @@
 """The attention-backend interface: one paged-attention call per layer, whatever the kernels.
 
-A backend is a module of kernels with the signatures of ``kernels.attention_ref``;
-the torch reference runs anywhere, the Triton kernels on CUDA. Backends are
-imported only when chosen.
+A backend is a module of kernels with the signatures of ``kernels.attention_ref``:
+the torch reference runs anywhere (and is the oracle of the others), the C kernels
+(``cpu``) on CPUs with a C compiler, the Triton kernels on CUDA. Backends are imported
+only when chosen.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 _BACKENDS = {
     "torch": "kernels.attention_ref",
+    "cpu": "kernels.attention_cpu",
     "triton": "kernels.triton_attention",
 }
 
@@ -70,7 +75,7 @@ class PagedAttention:
                     meta.decode_block_tables,
                     meta.decode_seq_lens,
                     scale,
-                    max_seq_len=meta.decode_max_seq_len,
+                    max_seq_len=meta.decode_max_seq_len or None,
                 )
             )
         if nd < q.shape[0]:
@@ -91,15 +96,32 @@ class PagedAttention:
 
 
 def get_attention_backend(name: str, device: torch.device) -> PagedAttention:
-    """``auto`` is Triton on CUDA and the torch reference elsewhere."""
+    """``auto`` is Triton on CUDA, and on the CPU the C kernels where they build (else the
+    torch reference, with a warning)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else _cpu_backend()
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     module = importlib.import_module(_BACKENDS[name])
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on the CPU, not on {device}")
+    if name == "cpu" and module.build_error():
+        raise RuntimeError(f"the cpu attention backend is unavailable: {module.build_error()}")
     if name == "triton" and not getattr(module, "TRITON_AVAILABLE", False):
         raise RuntimeError(
             "the triton attention backend needs the `triton` package (pip install triton); "
             "on a machine without a GPU set TRITON_INTERPRET=1 to run it in the interpreter"
         )
     return PagedAttention(module, name)
+
+
+def _cpu_backend() -> str:
+    from kernels import attention_cpu
+
+    if attention_cpu.available():
+        return "cpu"
+    logger.warning(
+        "the CPU attention kernels do not build here (%s); using the slower torch reference",
+        attention_cpu.build_error(),
+    )
+    return "torch"

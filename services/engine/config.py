@@ -28,14 +28,14 @@ def resolve_device(args: EngineArgs) -> torch.device:
     return torch.device(args.device)
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` is the checkpoint's dtype on CUDA and float32 on the CPU.
-
-    CPUs without AMX run bf16/fp16 matmuls slower than fp32 (measured: 150 vs 260
-    GFLOP/s on the reference machine), and float32 is the dtype of the exactness contract.
-    """
-    if name != "auto":
-        return _DTYPES[name]
+def resolve_dtype(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``--dtype``: ``auto`` is the checkpoint's dtype on CUDA, and on the CPU the faster of
+    float32 and bfloat16 as measured on this machine (``dtype_probe``; float32 remains the
+    exactness mode, chosen explicitly)."""
+    if args.dtype != "auto":
+        return _DTYPES[args.dtype]
     if device.type == "cpu":
-        return torch.float32
-    return torch_dtype(checkpoint_dtype)
+        from services.engine.dtype_probe import cpu_dtype
+
+        return _DTYPES[cpu_dtype(args, cfg)]
+    return torch_dtype(cfg.checkpoint_dtype)

@@ -32,7 +32,7 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         self.device = resolve_device(args)
         self.model_config = cfg = ModelConfig.from_dir(model_path)
-        self.dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype, self.device)
+        self.dtype = resolve_dtype(args, cfg, self.device)
         self.max_model_len = cfg.max_model_len(args.max_model_len)
         block_bytes = ModelRunner.block_bytes(cfg, args.block_size, self.dtype)
         num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // block_bytes
@@ -64,7 +64,7 @@ class LLMEngine:
         self.num_imported_bytes = 0
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens (%.1f MiB) "
-            "max_model_len=%d attention=%s",
+            "max_model_len=%d attention=%s step=%s",
             cfg.path,
             self.dtype,
             self.device,
@@ -73,6 +73,7 @@ class LLMEngine:
             num_blocks * block_bytes / 2**20,
             self.max_model_len,
             self.runner.attn.name,
+            self.runner.mode,
         )
 
     def add_request(
@@ -181,12 +182,15 @@ class LLMEngine:
             bs = self.args.block_size
             n = seq.num_prompt_tokens
             hashes = self.kv_cache.update_block_hashes(seq)
+            count = cdiv(n, bs)
+            # One copy of the blocks here; turning them into bytes happens off this thread.
+            data = self.runner.read_blocks(seq.block_table[:count]).view(torch.uint8)
+            rows = data.reshape(count, -1).numpy()
             blocks = []
-            for i in range(cdiv(n, bs)):
+            for i in range(count):
                 full = (i + 1) * bs <= n
                 key = bytes(hashes[i]) if full else tail_key(request_id)
-                data = self.runner.read_block(seq.block_table[i])
-                blocks.append(ExportedBlock(key, data, bs if full else n % bs))
+                blocks.append(ExportedBlock(key, memoryview(rows[i]), bs if full else n % bs))
             return blocks
         finally:
             self.kv_cache.free(seq)

@@ -1,9 +1,21 @@
-"""Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, samples."""
+"""Runs a scheduled batch through the model over the paged KV cache, and samples.
+
+The one place that decides how a step executes:
+
+- CUDA: decode steps replay a CUDA graph per batch-size bucket (``cuda_graphs``); other
+  steps run eagerly;
+- CPU: every step runs the model compiled by inductor once, with a dynamic token count
+  (its linears and attention are opaque ops; inductor fuses the code between them);
+- ``--enforce-eager`` (or a device with neither): the plain PyTorch model.
+
+Step inputs live in persistent buffers (``StepInputs``); the KV cache is one tensor whose
+blocks hold all layers together, so that a block exports as one buffer.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
+import time
 import warnings
 
 import torch
@@ -11,21 +23,24 @@ import torch
 from services.common.config import EngineArgs
 from services.common.model import ModelConfig
 from services.engine.attention import AttentionMetadata, get_attention_backend
-from services.engine.model.cpu_packing import (
-    buckets_for,
-    mkl_packing_available,
-    pack_linears,
-)
+from services.engine.cuda_graphs import CudaGraphRunner, bucket_for, decode_buckets
+from services.engine.forward_context import ForwardContext, forward_context
+from services.engine.model.cpu_linear import pack_linears, packing_available
 from services.engine.model.loader import load_model
 from services.engine.outputs import ModelRunnerOutput
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
+from services.engine.step_inputs import PreparedStep, StepInputs
 
 logger = logging.getLogger(__name__)
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class ModelRunner:
-    """Owns the weights and the KV cache tensor; one ``execute`` per engine step."""
+    """Owns the weights, the KV cache tensor and the step inputs; one ``execute`` per step."""
 
     def __init__(
         self,
@@ -41,13 +56,13 @@ class ModelRunner:
         self.device = device
         self.block_size = args.block_size
         self.attn = get_attention_backend(args.attention_backend, device)
-        self.model = load_model(model_config, self.attn, dtype, device, max_model_len)
-        if device.type == "cpu" and dtype == torch.float32 and mkl_packing_available():
-            pack_linears(self.model, buckets_for(args.max_num_seqs))
-        # One contiguous region per block, all layers together: a block exports as one buffer.
+        self.model = load_model(model_config, dtype, device, max_model_len)
+        self.linears = (
+            pack_linears(self.model) if device.type == "cpu" and packing_available() else []
+        )
         # kv: [num_blocks, num_layers, 2 (k, v), num_kv_heads, block_size, head_dim]
         # Kernels see each layer as [num_blocks, block_size, num_kv_heads, head_dim] views
-        # (strided); head-major storage lets the CPU path gather a head's block in one copy.
+        # (strided); head-major storage keeps a head's block contiguous.
         self.kv = torch.zeros(
             num_blocks,
             model_config.num_layers,
@@ -63,13 +78,50 @@ class ModelRunner:
             for i in range(model_config.num_layers)
         ]
         self.sampler = Sampler(args.seed)
+        use_graphs = device.type == "cuda" and not args.enforce_eager
+        self.buckets = decode_buckets(args.max_num_seqs) if use_graphs else []
+        self.inputs = StepInputs(
+            max_tokens=max(args.max_num_batched_tokens, args.max_num_seqs) + 2,
+            max_seqs=args.max_num_seqs + 2,
+            max_blocks=cdiv(max_model_len, self.block_size),
+            block_size=self.block_size,
+            device=device,
+        )
+        self.graphs: CudaGraphRunner | None = None
+        self._forward = self.model
+        self.mode = "eager"
+        if use_graphs:
+            self.graphs = CudaGraphRunner(self.model, self.inputs, self._context, self.buckets)
+            self.mode = "cuda-graphs"
+        elif device.type == "cpu" and not args.enforce_eager:
+            self._forward = self._compile_for_cpu()
+            self.mode = "compiled"
 
-    def read_block(self, block_id: int) -> bytes:
-        """A block's KV for all layers as one buffer: [layers, 2, kv_heads, block_size, head_dim]."""
-        return self.kv[block_id].cpu().view(torch.uint8).numpy().tobytes()
+    def _context(self, meta: AttentionMetadata | None) -> ForwardContext:
+        return ForwardContext(self.attn, self.kv_caches, meta, self.linears)
 
-    def write_block(self, block_id: int, data: bytes) -> None:
-        """Fill a block from a buffer made by ``read_block`` on a worker with the same layout."""
+    def _compile_for_cpu(self):
+        """The model compiled by inductor for any token count >= 2, compiled now (cached on
+        disk, see ``services.engine``, so a second start only retraces)."""
+        compiled = torch.compile(self.model, fullgraph=True, dynamic=False)
+        started = time.perf_counter()
+        step = self.inputs.prepare([], [], pad_decode_to=2)
+        ids, positions = self.inputs.input_ids[:2], self.inputs.positions[:2]
+        torch._dynamo.mark_dynamic(ids, 0)  # one graph for every token count >= 2
+        torch._dynamo.mark_dynamic(positions, 0)
+        with torch.inference_mode(), forward_context(self._context(step.meta)):
+            compiled(ids, positions)
+        logger.info("compiled the model for the CPU in %.1f s", time.perf_counter() - started)
+        return compiled
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of blocks' KV on the CPU, one block per row: [n, layers, 2, kv_heads,
+        block_size, head_dim] (each row is a block's export buffer)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv.index_select(0, index).cpu()
+
+    def write_block(self, block_id: int, data: bytes | memoryview) -> None:
+        """Fill a block from a buffer made by ``read_blocks`` on a worker with the same layout."""
         dst = self.kv[block_id].view(torch.uint8)
         if len(data) != dst.numel():
             raise ValueError(
@@ -88,79 +140,31 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Run one step over ``batch``; its samples, index-aligned with ``batch.seqs``."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
-        inputs = self._prepare(batch, order)
-        input_ids, positions, meta, logit_rows, sample_idx = inputs
-        hidden = self._run_model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[logit_rows])
-        seqs = [batch.seqs[i] for i in sample_idx]
+        bucket = self._decode_bucket(batch)
+        step = self.inputs.prepare(batch.seqs, batch.num_new_tokens, pad_decode_to=bucket)
+        with forward_context(self._context(step.meta)):
+            hidden = self._run(step, bucket)
+            logits = self.model.compute_logits(hidden[step.logit_rows])
+        seqs = [batch.seqs[i] for i in step.sample_order]
         tokens, logprobs = self.sampler(logits, seqs)
         output = ModelRunnerOutput([None] * len(batch.seqs), [None] * len(batch.seqs))
-        for k, i in enumerate(sample_idx):
+        for k, i in enumerate(step.sample_order):
             output.token_ids[i] = tokens[k]
             output.logprobs[i] = logprobs[k]
         return output
 
-    def _run_model(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        # The one place that would choose a CUDA graph replay over eager execution.
-        return self.model(input_ids, positions, self.kv_caches, meta)
+    def _decode_bucket(self, batch: ScheduledBatch) -> int:
+        """Rows to pad the decode part to: a graph's bucket, 2 for a compiled step of one
+        token (the compiled model is specialised for >= 2), else 0 (no padding)."""
+        if self.graphs is not None and all(n == 1 for n in batch.num_new_tokens):
+            return bucket_for(len(batch.seqs), self.buckets) or 0
+        if self.mode == "compiled" and batch.total_tokens == 1:
+            return 2
+        return 0
 
-    def _prepare(self, batch: ScheduledBatch, order: list[int]):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        sample_idx: list[int] = []
-        dec_tables, dec_lens = [], []
-        pre_tables, pre_lens, pre_qsl = [], [], [0]
-        for i in order:
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
-            start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
-                dec_tables.append(table)
-                dec_lens.append(end)
-            else:
-                pre_tables.append(table)
-                pre_lens.append(end)
-                pre_qsl.append(pre_qsl[-1] + n)
-            if end == seq.num_tokens:
-                logit_rows.append(len(input_ids) - 1)
-                sample_idx.append(i)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(dec_lens),
-        )
-        if dec_lens:
-            meta.decode_block_tables = _pad_tables(dec_tables, dev)
-            meta.decode_seq_lens = torch.tensor(dec_lens, dtype=torch.int32, device=dev)
-            meta.decode_max_seq_len = max(dec_lens)
-        if pre_lens:
-            meta.prefill_block_tables = _pad_tables(pre_tables, dev)
-            meta.prefill_seq_lens = torch.tensor(pre_lens, dtype=torch.int32, device=dev)
-            meta.prefill_query_start_loc = torch.tensor(pre_qsl, dtype=torch.int32, device=dev)
-            meta.prefill_max_query_len = max(b - a for a, b in itertools.pairwise(pre_qsl))
-            meta.prefill_max_seq_len = max(pre_lens)
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-            torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-            sample_idx,
-        )
-
-
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables padded with 0 to one width: [num_seqs, max_blocks] int32."""
-    width = max(len(t) for t in tables)
-    return torch.tensor(
-        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-    )
+    def _run(self, step: PreparedStep, bucket: int) -> torch.Tensor:
+        """[num_tokens, hidden] for the prepared step."""
+        if self.graphs is not None and bucket and step.num_tokens == step.num_decode:
+            return self.graphs.replay(bucket)
+        n = step.num_tokens
+        return self._forward(self.inputs.input_ids[:n], self.inputs.positions[:n])

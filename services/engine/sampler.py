@@ -1,5 +1,10 @@
 """Next-token choice for a batch of rows: penalties, greedy, temperature, top-k, top-p, min-p,
-seeds, logprobs."""
+seeds, logprobs, vectorized over the batch (one host transfer per step at the end).
+
+Sampling is an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token draws
+exactly from ``probs``, and lets every row be drawn in one batched operation, whatever
+its own noise came from.
+"""
 
 from __future__ import annotations
 
@@ -14,45 +19,117 @@ from services.engine.sequence import Sequence
 class Sampler:
     """Picks one token per row of logits.
 
-    A seeded request's k-th token is drawn from a generator seeded with (seed, k) alone, so
-    its tokens depend neither on the batch nor on which worker samples which step: a request
-    prefilled on one worker and decoded on another draws what one worker would have drawn.
+    A seeded request's k-th token is drawn from noise seeded with (seed, k) alone, made on
+    the CPU, so its tokens depend neither on the batch, nor on which worker samples which
+    step, nor on the device: a request prefilled on one worker and decoded on another
+    draws what one worker would have drawn. Unseeded rows share the sampler's generator.
     """
 
     def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [M, vocab] float32, row i for seqs[i].
+        """logits: [M, vocab], row i for seqs[i].
 
         Logprobs are those of the raw logits, before penalties and temperature, as vLLM's.
         """
         raw = logits.float()
-        logits = apply_penalties(raw, seqs)
-        tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled_rows:
-            tokens = tokens.clone()
-            for i in sampled_rows:
-                # Generators live on the CPU, so seeded draws are the same on every device.
-                probs = _filtered_probs(logits[i], seqs[i]).cpu()
-                seed = seqs[i].params.seed
-                gen = (
-                    self.generator
-                    if seed is None
-                    else _step_generator(seed, seqs[i].num_output_tokens)
-                )
-                tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        penalized = apply_penalties(raw, seqs)
+        tokens = penalized.argmax(dim=-1)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=raw.device)
+            probs = filtered_probs(penalized[rows], [seqs[i] for i in sampled])
+            noise = self._noise(probs, [seqs[i] for i in sampled])
+            tokens = tokens.index_copy(0, rows, (probs / noise).argmax(dim=-1))
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:
-            lp = torch.log_softmax(raw[want], dim=-1)
-            for row, i in enumerate(want):
-                logprobs[i] = _token_logprobs(lp[row], token_list[i], seqs[i].params.logprobs)
+            picked = [token_list[i] for i in want]
+            tops = [seqs[i].params.logprobs for i in want]
+            for i, lp in zip(want, token_logprobs(raw[want], picked, tops), strict=True):
+                logprobs[i] = lp
         return token_list, logprobs
+
+    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[R, vocab] Exp(1) noise: seeded rows from (seed, step), the rest from the sampler."""
+        seeded = [k for k, s in enumerate(seqs) if s.params.seed is not None]
+        if probs.device.type == "cpu":
+            noise = torch.empty_like(probs)
+            if len(seeded) < len(seqs):
+                noise.exponential_(generator=self.generator)
+        else:
+            noise = torch.empty_like(probs).exponential_(generator=self._device_generator(probs))
+        for k in seeded:
+            s = seqs[k]
+            gen = _step_generator(s.params.seed, s.num_output_tokens)
+            row = torch.empty(probs.shape[1]).exponential_(generator=gen)
+            noise[k] = row.to(probs.device)
+        # A draw of exactly 0 would turn a filtered-out token's 0 / 0 into NaN, which argmax
+        # picks; the smallest normal float keeps it at 0 and changes nothing else.
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _device_generator(self, like: torch.Tensor) -> torch.Generator:
+        gen = self._device_generators.get(like.device)
+        if gen is None:
+            gen = torch.Generator(device=like.device).manual_seed(self.seed)
+            self._device_generators[like.device] = gen
+        return gen
+
+
+def filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """[R, vocab] logits -> probabilities after each row's temperature, top-k, top-p, min-p."""
+    num_rows, vocab = logits.shape
+    dev = logits.device
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    x = logits / temps[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        k = torch.tensor(ks, device=dev)
+        top = x.topk(max(ks), dim=-1).values
+        kth = top.gather(1, (k.clamp(min=1) - 1)[:, None])
+        kth = kth.masked_fill((k == 0)[:, None], float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_ps = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_ps):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_x, dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        p = torch.tensor(top_ps, dtype=before.dtype, device=dev)[:, None]
+        # Drop a token when the tokens before it already cover top_p; always keep the first.
+        drop = (before >= p) & (p < 1.0)
+        drop[:, 0] = False
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(x, dim=-1)
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):
+        m = torch.tensor(min_ps, dtype=probs.dtype, device=dev)[:, None]
+        probs = probs.masked_fill(probs < m * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
+def token_logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
+    """Logprobs of each row's chosen token and its top ``top_n[r]`` (raw: [R, vocab])."""
+    lp = torch.log_softmax(raw, dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    n = max(top_n)
+    top_values, top_ids = lp.topk(n, dim=-1) if n else (None, None)
+    values = top_values.tolist() if n else [[]] * len(tokens)
+    ids = top_ids.tolist() if n else [[]] * len(tokens)
+    return [
+        TokenLogprobs(
+            token_id=t,
+            logprob=c,
+            top=dict(zip(ids[r][: top_n[r]], values[r][: top_n[r]], strict=True)),
+        )
+        for r, (t, c) in enumerate(zip(tokens, chosen, strict=True))
+    ]
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -103,31 +180,3 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
     """A generator for one draw of a seeded request, from its seed and the token's index."""
     mixed = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(mixed, "little") >> 1)
-
-
-def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """[vocab] logits -> probabilities after temperature, top-k, top-p and min-p."""
-    p = seq.params
-    x = logits / p.temperature
-    if p.top_k > 0 and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens before it already cover top_p; always keep the first.
-        drop = (cum - torch.softmax(sorted_x, dim=-1)) >= p.top_p
-        drop[0] = False
-        x = x.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs
-
-
-def _token_logprobs(lp: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
-    top: dict[int, float] = {}
-    if top_n:
-        values, ids = torch.topk(lp, top_n)
-        top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprobs(token_id=token, logprob=float(lp[token]), top=top)

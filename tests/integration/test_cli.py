@@ -42,7 +42,14 @@ def test_generate_matches_the_embedded_api(tiny_llama_path):
     from services.engine import LLM, SamplingParams
 
     res = _pdserve(
-        "generate", "--model", str(tiny_llama_path), "--max-tokens", "6", "the quick brown"
+        "generate",
+        "--model",
+        str(tiny_llama_path),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "6",
+        "the quick brown",
     )
     assert res.returncode == 0, res.stderr
     llm = LLM(model=str(tiny_llama_path), dtype="float32")

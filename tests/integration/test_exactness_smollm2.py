@@ -77,10 +77,20 @@ def _check(llm: LLM, refs, label: str) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks, stats
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["compiled", "eager"])
+def enforce_eager(request) -> bool:
+    """Each test runs on the compiled step (the CPU's default) and on the plain model."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(smollm2_path):
+def llm(smollm2_path, enforce_eager):
     return LLM(
-        model=str(smollm2_path), dtype="float32", max_model_len=2048, kv_cache_memory="512MiB"
+        model=str(smollm2_path),
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory="512MiB",
+        enforce_eager=enforce_eager,
     )
 
 
@@ -105,19 +115,26 @@ def test_32_mixed_requests_together_hit_the_prefix_cache(llm, refs):
     assert llm.stats().prefix_cache_hits > hits_before
 
 
-def test_chunked_prefill(smollm2_path, refs):
+def test_chunked_prefill(smollm2_path, refs, enforce_eager):
     llm = LLM(
         model=str(smollm2_path),
         dtype="float32",
         max_model_len=2048,
         kv_cache_memory="512MiB",
         max_num_batched_tokens=64,
+        enforce_eager=enforce_eager,
     )
     _check(llm, refs, "chunked64")
 
 
-def test_preemption(smollm2_path, refs):
+def test_preemption(smollm2_path, refs, enforce_eager):
     # 140 blocks of 16 tokens: the longest request fits alone, the whole set does not.
-    llm = LLM(model=str(smollm2_path), dtype="float32", max_model_len=2048, num_kv_blocks=140)
+    llm = LLM(
+        model=str(smollm2_path),
+        dtype="float32",
+        max_model_len=2048,
+        num_kv_blocks=140,
+        enforce_eager=enforce_eager,
+    )
     _check(llm, refs, "preempt")
     assert llm.stats().num_preemptions > 0

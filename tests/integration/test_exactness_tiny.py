@@ -37,6 +37,11 @@ def _run(llm: LLM, refs) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+# The compiled step (the default on the CPU) and the plain PyTorch model.
+STEP_MODES = pytest.mark.parametrize("enforce_eager", [False, True], ids=["compiled", "eager"])
+
+
+@STEP_MODES
 @pytest.mark.parametrize(
     "engine_args",
     [
@@ -45,25 +50,42 @@ def _run(llm: LLM, refs) -> None:
         dict(max_num_batched_tokens=7, max_num_seqs=3),  # tiny odd chunks, few seqs
         dict(block_size=8, max_num_batched_tokens=100),
         dict(enable_prefix_caching=False),
+        dict(attention_backend="torch"),  # the reference kernels
     ],
-    ids=["batched", "chunked64", "chunked7", "block8", "no-prefix-cache"],
+    ids=["batched", "chunked64", "chunked7", "block8", "no-prefix-cache", "torch-attention"],
 )
-def test_matches_transformers(case, engine_args):
+def test_matches_transformers(case, engine_args, enforce_eager):
     path, refs = case
-    _run(LLM(model=str(path), dtype="float32", num_kv_blocks=512, **engine_args), refs)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=512,
+        enforce_eager=enforce_eager,
+        **engine_args,
+    )
+    assert (llm.engine.runner.mode == "eager") == enforce_eager
+    _run(llm, refs)
 
 
-def test_preemption_keeps_output(case):
+@STEP_MODES
+def test_preemption_keeps_output(case, enforce_eager):
     path, refs = case
     # 22 blocks of 16 tokens: the longest sequence (255 + 64) fits alone, not all at once.
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=22, max_model_len=320)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=22,
+        max_model_len=320,
+        enforce_eager=enforce_eager,
+    )
     _run(llm, refs)
     assert llm.stats().num_preemptions > 0
 
 
-def test_prefix_cache_hits_keep_output(case):
+@STEP_MODES
+def test_prefix_cache_hits_keep_output(case, enforce_eager):
     path, refs = case
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=512)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=512, enforce_eager=enforce_eager)
     _run(llm, refs)
     assert llm.stats().prefix_cache_hits == 0
     # Second run: the prompts and (mid-way) prompt + generated tokens hit the cache.

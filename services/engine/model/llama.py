@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama, Mistral, SmolLM, Qwen2) over a paged KV cache.
 
 Numerics follow Hugging Face transformers (RMSNorm in float32, rotary tables in
-float32 cast to the model dtype) so that float32 greedy output matches it.
+float32 cast to the model dtype) so that float32 greedy output matches it. Attention is
+the ``pdserve::paged_attention`` op: the KV caches and the step's metadata come from the
+forward context, so the model itself takes only token ids and positions, and compiles
+or captures as one graph.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.model import ModelConfig
-from services.engine.attention import AttentionMetadata, PagedAttention
+from services.engine.model import ops
 
 
 class RMSNorm(nn.Module):
@@ -55,8 +58,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -69,23 +73,21 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
-        attn: PagedAttention,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N, hidden] -> rotated q [N, H, D], k [N, Hkv, D], and v [N, Hkv, D]."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = attn(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this layer's K/V into the paged cache, attend: [N, H, D]."""
+        return ops.paged_attention(q, k, v, self.layer_index, self.scale)
 
 
 class MLP(nn.Module):
@@ -101,43 +103,53 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, attn, kv, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn, kv, meta)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        q, k, v = self._before_attention(x, positions, rotary)
+        return self._after_attention(x, self.self_attn.attend(q, k, v))
+
+    # Two regions that are the same code in every layer (the layer index only reaches the
+    # attention op between them): torch.compile traces and compiles each once per model.
+    @torch.compiler.nested_compile_region
+    def _before_attention(self, x, positions, rotary):
+        return self.self_attn.project(self.input_layernorm(x), positions, rotary)
+
+    @torch.compiler.nested_compile_region
+    def _after_attention(self, x, attn):
+        n = x.shape[0]
+        x = x + self.self_attn.o_proj(attn.reshape(n, self.self_attn.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
     """Token ids and positions of a flat batch in, hidden states out; logits on request."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, attn: PagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
-        self.attn = attn
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """[N] token ids at [N] positions -> [N, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, self.attn, kv, meta)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

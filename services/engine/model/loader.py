@@ -9,7 +9,6 @@ import torch
 from safetensors import safe_open
 
 from services.common.model import ModelConfig
-from services.engine.attention import PagedAttention
 from services.engine.model.llama import LlamaForCausalLM, Rotary
 
 logger = logging.getLogger(__name__)
@@ -43,14 +42,13 @@ def rope_tables(cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> Rot
 
 def load_model(
     cfg: ModelConfig,
-    attn: PagedAttention,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
 ) -> LlamaForCausalLM:
     """The model with its weights, in ``dtype`` on ``device``, ready for inference."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, rope_tables(cfg, 1, dtype), attn)
+        model = LlamaForCausalLM(cfg, rope_tables(cfg, 1, dtype))
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty makes a parameter per use: tie again
         model.lm_head.weight = model.embed_tokens.weight

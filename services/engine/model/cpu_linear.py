@@ -1,0 +1,82 @@
+"""Packed linears for the CPU, applied to a finished model from outside.
+
+Each ``nn.Linear`` becomes a ``PackedLinear`` that holds its weight in the layouts the
+fast kernels read, packed once at start:
+
+- oneDNN's blocked layout for this CPU (AMX tiles, AVX-512 or AVX2), for every row count;
+- for bfloat16 on CPUs with AMX, also the AMX kernel's tile layout (``kernels.gemm_cpu``),
+  used up to ``AMX_MAX_ROWS`` rows, where a linear is bound by reading its weights and
+  oneDNN's small-batch path reads them well below the memory bandwidth.
+
+The plain weight is dropped. The model calls its linears through the ``pdserve::cpu_linear``
+op, so that a compiled model treats them as opaque calls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import gemm_cpu
+from services.engine.model import ops
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Decode batches up to this many rows take the AMX kernel (measured: 1.3-1.6x faster than
+# oneDNN at 1-32 rows on SmolLM2's layers, slower from 64 rows on).
+AMX_MAX_ROWS = 32
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` with its weight held only in packed layouts; ``index`` is its place in
+    the model's list of packed linears (the forward context's ``linears``)."""
+
+    def __init__(self, linear: nn.Linear, index: int, use_amx: bool) -> None:
+        super().__init__()
+        self.index = index
+        # The index as a tensor input of the op, so that every layer's region is the same code.
+        self.handle = torch.tensor([index])
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.amx = gemm_cpu.pack(weight) if use_amx and gemm_cpu.supports(weight) else None
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.cpu_linear(x, self.handle, self.out_features)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in_features] in the weight's dtype -> [rows, out_features]."""
+        if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+            return gemm_cpu.linear(x, self.amx, self.bias, self.out_features)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        kinds = "onednn" + (" + amx" if self.amx is not None else "")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
+
+
+def pack_linears(model: nn.Module) -> list[PackedLinear]:
+    """Replace every CPU ``nn.Linear`` of a packable dtype in ``model``; the new modules, in
+    the order of their ``index``."""
+    use_amx = gemm_cpu.available()
+    packed: list[PackedLinear] = []
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if (
+                isinstance(child, nn.Linear)
+                and child.weight.dtype in PACKED_DTYPES
+                and child.weight.device.type == "cpu"
+            ):
+                linear = PackedLinear(child, len(packed), use_amx)
+                setattr(module, name, linear)
+                packed.append(linear)
+    return packed

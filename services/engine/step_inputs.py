@@ -1,0 +1,162 @@
+"""A step's flat model inputs, written into buffers allocated once (no per-step tensors).
+
+Rows are the step's tokens: decode sequences first (one token each), then prefill chunks.
+``StepInputs.prepare`` fills the host buffers with numpy slices, then (on CUDA) copies the
+used prefix to persistent device buffers in one transfer each; CUDA graphs and compiled
+models read those same device tensors every step. Padding rows (a decode batch rounded up
+to its bucket) have slot -1 (the KV write skips them) and context length 0 (attention
+leaves them at zero), so whatever they compute is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.attention import AttentionMetadata
+from services.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """What ``prepare`` wrote for one step, and where its rows are."""
+
+    num_tokens: int  # rows, padding included
+    num_decode: int  # decode rows, padding included
+    num_real_decode: int
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [num_sampled] row of each sampled sequence's last token
+    sample_order: list[int]  # batch index of each sampled row, in logit_rows order
+
+
+class StepInputs:
+    """Persistent input buffers for up to ``max_tokens`` rows and ``max_seqs`` sequences."""
+
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int, device
+    ) -> None:
+        self.block_size = block_size
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+
+        def host(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
+        self._host = {
+            "input_ids": host(max_tokens, dtype=torch.int64),
+            "positions": host(max_tokens, dtype=torch.int64),
+            "slot_mapping": host(max_tokens, dtype=torch.int64),
+            "block_tables": host(max_seqs, max_blocks, dtype=torch.int32),
+            "seq_lens": host(max_seqs, dtype=torch.int32),
+            "query_start_loc": host(max_seqs + 1, dtype=torch.int32),
+            "logit_rows": host(max_seqs, dtype=torch.int64),
+        }
+        self._np = {k: v.numpy() for k, v in self._host.items()}
+        if self.device.type == "cpu":
+            self._dev = self._host
+        else:
+            self._dev = {k: torch.zeros_like(v, device=self.device) for k, v in self._host.items()}
+
+    # Device views a captured or compiled model reads (stable storage).
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._dev["input_ids"]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._dev["positions"]
+
+    def prepare(
+        self, seqs: list[Sequence], num_new_tokens: list[int], pad_decode_to: int = 0
+    ) -> PreparedStep:
+        """Write the rows of ``seqs`` (advancing by ``num_new_tokens``); decode rows first,
+        padded with dummy decode rows up to ``pad_decode_to``."""
+        bs = self.block_size
+        npy = self._np
+        ids, pos, slots = npy["input_ids"], npy["positions"], npy["slot_mapping"]
+        tables, lens, qsl = npy["block_tables"], npy["seq_lens"], npy["query_start_loc"]
+        decode = [i for i, n in enumerate(num_new_tokens) if n == 1]
+        prefill = [i for i, n in enumerate(num_new_tokens) if n != 1]
+        num_decode = max(len(decode), pad_decode_to)
+        num_tokens = num_decode + sum(num_new_tokens[i] for i in prefill)
+        if num_tokens > self.max_tokens or num_decode + len(prefill) > self.max_seqs:
+            raise RuntimeError(
+                f"bug: a step of {num_tokens} tokens / {num_decode + len(prefill)} sequences "
+                f"exceeds the input buffers ({self.max_tokens} / {self.max_seqs})"
+            )
+        sampled: list[tuple[int, int]] = []  # (row, batch index)
+        for row, i in enumerate(decode):
+            seq = seqs[i]
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            ids[row] = seq.token_ids[p]
+            pos[row] = p
+            slots[row] = table[p // bs] * bs + p % bs
+            tables[row, : len(table)] = table
+            lens[row] = p + 1
+            if p + 1 == seq.num_tokens:  # else a one-token chunk inside a prompt
+                sampled.append((row, i))
+        pad = slice(len(decode), num_decode)
+        ids[pad], pos[pad], slots[pad], lens[pad] = 0, 0, -1, 0
+        row = num_decode
+        qsl[0] = 0
+        max_q = max_len = 0
+        for k, i in enumerate(prefill):
+            seq, n = seqs[i], num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            p = np.arange(start, end)
+            ids[row : row + n] = seq.token_ids[start:end]
+            pos[row : row + n] = p
+            slots[row : row + n] = table[p // bs] * bs + p % bs
+            tables[num_decode + k, : len(table)] = table
+            lens[num_decode + k] = end
+            qsl[k + 1] = qsl[k] + n
+            max_q, max_len = max(max_q, n), max(max_len, end)
+            row += n
+            if end == seq.num_tokens:
+                sampled.append((row - 1, i))
+        rows = npy["logit_rows"]
+        rows[: len(sampled)] = [r for r, _ in sampled]
+        num_prefill = len(prefill)
+        self._upload(num_tokens, num_decode + num_prefill, num_prefill, len(sampled))
+        dev = self._dev
+        meta = AttentionMetadata(
+            slot_mapping=dev["slot_mapping"][:num_tokens], num_decode_tokens=num_decode
+        )
+        if num_decode:
+            meta.decode_block_tables = dev["block_tables"][:num_decode]
+            meta.decode_seq_lens = dev["seq_lens"][:num_decode]
+            meta.decode_max_seq_len = int(lens[:num_decode].max())
+        if num_prefill:
+            meta.prefill_block_tables = dev["block_tables"][num_decode : num_decode + num_prefill]
+            meta.prefill_seq_lens = dev["seq_lens"][num_decode : num_decode + num_prefill]
+            meta.prefill_query_start_loc = dev["query_start_loc"][: num_prefill + 1]
+            meta.prefill_max_query_len = max_q
+            meta.prefill_max_seq_len = max_len
+        return PreparedStep(
+            num_tokens=num_tokens,
+            num_decode=num_decode,
+            num_real_decode=len(decode),
+            meta=meta,
+            logit_rows=dev["logit_rows"][: len(sampled)],
+            sample_order=[i for _, i in sampled],
+        )
+
+    def _upload(self, num_tokens: int, num_seqs: int, num_prefill: int, num_sampled: int):
+        if self._dev is self._host:
+            return
+        for name, n in (
+            ("input_ids", num_tokens),
+            ("positions", num_tokens),
+            ("slot_mapping", num_tokens),
+            ("block_tables", num_seqs),
+            ("seq_lens", num_seqs),
+            ("query_start_loc", num_prefill + 1),
+            ("logit_rows", num_sampled),
+        ):
+            self._dev[name][:n].copy_(self._host[name][:n], non_blocking=True)

@@ -1,0 +1,60 @@
+"""Packed CPU linears: every row count gives F.linear's result, through oneDNN or AMX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import gemm_cpu
+from services.engine.model.cpu_linear import (
+    AMX_MAX_ROWS,
+    PackedLinear,
+    pack_linears,
+    packing_available,
+)
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN")
+ROWS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 200]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_matches_f_linear_at_every_row_count(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    packed = PackedLinear(linear, 0, use_amx=True)
+    assert packed.amx is None  # AMX is for bfloat16
+    for m in ROWS:
+        x = torch.randn(m, 96)
+        torch.testing.assert_close(
+            packed.run(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("use_amx", [False, True])
+def test_bfloat16_matches_f_linear_at_every_row_count(use_amx):
+    if use_amx and not gemm_cpu.available():
+        pytest.skip("this CPU has no AMX")
+    torch.manual_seed(1)
+    linear = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear, 0, use_amx=use_amx)
+    assert (packed.amx is not None) == use_amx
+    for m in ROWS:
+        x = torch.randn(m, 128).to(torch.bfloat16)
+        want = (x.float() @ linear.weight.float().T + linear.bias.float()).to(torch.bfloat16)
+        got = packed.run(x)
+        assert got.dtype == torch.bfloat16
+        # fp32 accumulation and one rounding either way; the order of the sums differs
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=5e-2)
+    assert AMX_MAX_ROWS in ROWS and AMX_MAX_ROWS + 1 in ROWS  # both kernels were used
+
+
+def test_pack_linears_numbers_them_in_order_and_drops_the_weights():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32).to(torch.bfloat16))
+    packed = pack_linears(model)
+    assert [p.index for p in packed] == [0, 1]
+    assert packed[0] is model[0] and packed[1] is model[2]
+    assert [int(p.handle) for p in packed] == [0, 1]
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert not hasattr(model[0], "weight")
