@@ -3,10 +3,14 @@
 Four systems, started one at a time on this machine (never two at once: it has
 2 cores) and stopped (by process group) before the next:
 
-- pdserve-disagg: kvstore, a prefill worker on core 0, a decode worker on core 1, gateway;
+- pdserve-disagg: `pdserve up` as a user starts it: kvstore, a prefill and a decode worker
+  (its default core layout: decode on both cores, prefill on one), gateway;
 - pdserve-colocated: one decode worker on both cores behind a kvstore-free gateway;
 - vllm: `vllm serve` from vLLM's CPU build in bench/.venv-vllm (installed on first use);
-- hf: bench/hf_server.py, transformers with static batching.
+- hf, hf-bf16: bench/hf_server.py, transformers with static batching, in float32 and in
+  bfloat16 (which is faster depends on the machine and the step: both run).
+
+pdserve runs `--dtype auto`: the faster of float32 and bfloat16 as timed on this machine.
 
 Each one gets the same `pdserve bench sweep` (random 256 -> 128 tokens, 64 prompts,
 concurrencies 1, 4, 16 by default), --repeats times; the table reports medians. With
@@ -50,7 +54,7 @@ VLLM_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB
 }
-SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "vllm", "hf")
+SYSTEMS = ("pdserve-disagg", "pdserve-colocated", "vllm", "hf", "hf-bf16")
 OUT = ROOT / "bench/out/compare"
 SECTION = "serving-comparison"
 # (column, metric key, statistic or None) of the markdown table.
@@ -118,7 +122,7 @@ def _pdserve_up(system: System, model: Path, timeout: float, pools: list[str]) -
     port = free_port()
     argv = [PDSERVE, "up", *pools, "--port", "0", "--http-port", str(port), "--model", str(model)]
     url = f"http://127.0.0.1:{port}"
-    system.start("up", [*argv, "--dtype", "float32"], timeout, probe_url=url + "/v1/models")
+    system.start("up", argv, timeout, probe_url=url + "/v1/models")
     return url
 
 
@@ -134,12 +138,16 @@ def start_vllm(system: System, model: Path, timeout: float) -> str:
     return url
 
 
-def start_hf(system: System, model: Path, timeout: float) -> str:
-    """bench/hf_server.py: transformers, float32, static batches of up to 16."""
+def start_hf(system: System, model: Path, timeout: float, dtype: str = "float32") -> str:
+    """bench/hf_server.py: transformers, static batches of up to 16."""
     argv = [PYTHON, "-m", "bench.hf_server", "--model", str(model), "--port", "0"]
-    argv += ["--dtype", "float32", "--max-batch-size", "16"]
+    argv += ["--dtype", dtype, "--max-batch-size", "16"]
     server = system.start("hf", argv, timeout, expect=["hf-server"])
     return "http://" + server.address
+
+
+def start_hf_bf16(system: System, model: Path, timeout: float) -> str:
+    return start_hf(system, model, timeout, "bfloat16")
 
 
 STARTERS = {
@@ -147,6 +155,7 @@ STARTERS = {
     "pdserve-colocated": start_pdserve_colocated,
     "vllm": start_vllm,
     "hf": start_hf,
+    "hf-bf16": start_hf_bf16,
 }
 
 
@@ -288,8 +297,9 @@ def markdown(summary: dict) -> str:
         f"Workload: random prompts of {a['random_input_len']} tokens, "
         f"{a['random_output_len']} output tokens (EOS ignored), {prompts}; "
         f"medians of {a['repeats']} repeat(s). One system at a time.",
-        "pdserve and transformers run float32 (the faster dtype on this CPU, which has no "
-        "AMX); vLLM runs bfloat16 (its CPU build's usual dtype).",
+        "pdserve runs `--dtype auto` (the faster of float32 and bfloat16 as timed on this "
+        "machine; its workers log which); vLLM runs bfloat16 (its CPU build's usual dtype); "
+        "transformers runs both (hf: float32, hf-bf16: bfloat16).",
         "",
         *rows,
         "",

@@ -143,7 +143,11 @@ def _start(
         )
         started.append(_launch(launcher, "kvstore", "kvstore", kvstore))
     roles = ["prefill"] * settings.prefill_workers + ["decode"] * settings.num_decode
-    slices = cpu_slices(sorted(os.sched_getaffinity(0)), len(roles))
+    slices = engine_cpus(settings.cpu_layout, sorted(os.sched_getaffinity(0)), roles)
+    shared = len({c for cpus in slices for c in cpus}) < sum(len(cpus) for cpus in slices)
+    # OpenMP threads that wait for work spin for a while before they sleep; on a core
+    # another engine uses, that spinning steals its time.
+    env = {"GOMP_SPINCOUNT": "10000"} if shared else None
     counts = {"prefill": 0, "decode": 0}
     for role, cpus in zip(roles, slices, strict=True):
         threads = settings.engine.num_threads or len(cpus)
@@ -154,7 +158,7 @@ def _start(
         )
         name = f"{role}-{counts[role]}"
         counts[role] += 1
-        started.append(_launch(launcher, name, role, worker, cpus=cpus))
+        started.append(_launch(launcher, name, role, worker, cpus=cpus, env=env))
     _wait_ready(launcher, started, settings.startup_timeout, stop_signal)
 
     gateway = GatewaySettings(
@@ -180,9 +184,32 @@ def _launch(
     settings: object,
     expect: Sequence[str] | None = None,
     cpus: Sequence[int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Child:
     argv = [*_PDSERVE, command, *to_argv(settings)]
-    return launcher.start(name, argv, expect or [command], cpus=cpus)
+    return launcher.start(name, argv, expect or [command], cpus=cpus, env=env)
+
+
+def engine_cpus(layout: str, cpus: Sequence[int], roles: Sequence[str]) -> list[list[int]]:
+    """The cores of each worker (``roles``: "prefill" or "decode", in order) by layout.
+
+    decode-first (the default, measured fastest on 2 cores: bench/RESULTS.md) gives the
+    decode workers the whole machine, split among them, and each prefill worker one core,
+    from the last one down: decode is the steady load, prefill comes in bursts.
+    """
+    if layout == "shared":
+        return [list(cpus) for _ in roles]
+    if layout == "split":
+        return cpu_slices(cpus, len(roles))
+    decode = iter(cpu_slices(cpus, roles.count("decode")))
+    out, k = [], 0
+    for role in roles:
+        if role == "decode":
+            out.append(next(decode))
+        else:
+            out.append([cpus[-1 - k % len(cpus)]])
+            k += 1
+    return out
 
 
 def _wait_ready(launcher: Launcher, children: list[Child], timeout: float, stop_signal: list):

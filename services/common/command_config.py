@@ -42,6 +42,14 @@ class UpSettings:
     local_prefill_threshold: int = setting(
         0, "prompts with fewer uncached tokens than this are prefilled on the decode worker"
     )
+    cpu_layout: str = setting(
+        "decode-first",
+        "how the workers share this machine's cores: decode-first (decode workers all "
+        "cores, each prefill worker one of them), split (each worker its own cores) or "
+        "shared (every worker all cores); workers that share cores keep their idle OpenMP "
+        "threads from spinning",
+        choices=("split", "shared", "decode-first"),
+    )
     log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
     engine: EngineArgs = setting(default_factory=EngineArgs)

@@ -30,6 +30,28 @@ def test_cpu_slices_are_contiguous_and_even(cpus, n, expected):
     assert cpu_slices(cpus, n) == expected
 
 
+@pytest.mark.parametrize(
+    ("layout", "cpus", "roles", "expected"),
+    [
+        ("decode-first", [0, 1], ["prefill", "decode"], [[1], [0, 1]]),
+        (
+            "decode-first",
+            [0, 1, 2, 3],
+            ["prefill", "prefill", "decode", "decode"],
+            [[3], [2], [0, 1], [2, 3]],
+        ),
+        ("decode-first", [0, 1], ["prefill"] * 3 + ["decode"], [[1], [0], [1], [0, 1]]),
+        ("split", [0, 1], ["prefill", "decode"], [[0], [1]]),
+        ("shared", [0, 1], ["prefill", "decode"], [[0, 1], [0, 1]]),
+        ("decode-first", [0, 1], ["decode"], [[0, 1]]),
+    ],
+)
+def test_engine_cpus_by_layout(layout, cpus, roles, expected):
+    from services.up import engine_cpus
+
+    assert engine_cpus(layout, cpus, roles) == expected
+
+
 def test_a_worker_gets_only_the_flags_that_differ_from_the_defaults():
     engine = EngineArgs(
         model="/m", dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, num_threads=3
