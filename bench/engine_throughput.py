@@ -157,7 +157,9 @@ def main() -> int:
         print(profile)
     if args.write_results:
         replace_section(
-            ROOT / "bench/RESULTS.md", "engine-throughput", _markdown(result, profile, args)
+            ROOT / "bench/RESULTS.md",
+            f"engine-throughput-{args.dtype}",
+            _markdown(result, profile, args),
         )
     return 0
 
@@ -171,7 +173,7 @@ def _markdown(r: dict, profile: str, args) -> str:
         f"| {i + 1} | {a:.1f} | {b:.1f} | {a / b:.2f}x |"
         for i, (a, b) in enumerate(zip(r["pdserve_tok_s"], r["transformers_tok_s"], strict=True))
     )
-    return f"""## Engine throughput vs transformers `generate` (issue 2)
+    return f"""## Engine throughput vs transformers `generate`, {r["dtype"]}
 
 Machine: {r["machine"]}. Model: {r["model"]}, {r["dtype"]}. Workload: {r["num_prompts"]} prompts of
 random token ids, {r["input_len"]} tokens +/- 25%, {r["output_len"]} output tokens each (EOS ignored),

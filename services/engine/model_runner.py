@@ -14,6 +14,8 @@ blocks hold all layers together, so that a block exports as one buffer.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import time
 import warnings
@@ -37,6 +39,12 @@ logger = logging.getLogger(__name__)
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading and packing freed back to the OS (glibc keeps it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class ModelRunner:
@@ -96,6 +104,7 @@ class ModelRunner:
         elif device.type == "cpu" and not args.enforce_eager:
             self._forward = self._compile_for_cpu()
             self.mode = "compiled"
+        _return_freed_memory()
 
     def _context(self, meta: AttentionMetadata | None) -> ForwardContext:
         return ForwardContext(self.attn, self.kv_caches, meta, self.linears)

@@ -49,7 +49,7 @@ def load_model(
     """The model with its weights, in ``dtype`` on ``device``, ready for inference."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, rope_tables(cfg, 1, dtype))
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # no float32 copy on the way
     if cfg.tie_word_embeddings:  # to_empty makes a parameter per use: tie again
         model.lm_head.weight = model.embed_tokens.weight
     # Built after to_empty, which would wipe its buffers.

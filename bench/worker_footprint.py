@@ -1,0 +1,160 @@
+"""A worker's time to READY (cold and warm compile cache) and resident memory; `pdserve up`'s
+time to ready.
+
+    .venv/bin/python bench/worker_footprint.py [--write-results]
+
+- decode worker, default settings (SmolLM2, --dtype auto, default KV budget): started with
+  an empty inductor cache (cold: a temporary TORCHINDUCTOR_CACHE_DIR) and then with the
+  cache the cold start filled (warm); RSS (VmRSS, and VmHWM, its peak) read at READY and
+  after 16 requests of 256 -> 64 tokens through the worker's own gRPC API;
+- the same with --enforce-eager, for the memory the compiled step adds;
+- `pdserve up` (Redis, kvstore, a prefill and a decode worker, gateway) with the warm
+  cache: seconds from start to its REST API answering.
+
+The dtype probe's result and the C kernels are cached before the first timed start (they
+are per machine, not per start), so the cold figure is the compile alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.results_md import replace_section  # noqa: E402
+from services.common.launcher import Launcher, free_port  # noqa: E402
+
+PY = sys.executable
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of a process, MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+async def load(address: str, n: int = 16) -> None:
+    """n requests of 256 random tokens -> 64 through the decode worker's Decode stream."""
+    import grpc
+
+    from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+
+    rng = random.Random(0)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+
+        async def one(i: int) -> None:
+            request = decode_pb2.DecodeRequest(
+                request_id=f"footprint-{i}",
+                prompt_token_ids=[rng.randrange(100, 40000) for _ in range(256)],
+                params=common_pb2.SamplingParams(max_tokens=64, ignore_eos=True),
+            )
+            async for _ in stub.Decode(request, timeout=600):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def worker(launcher: Launcher, name: str, env: dict[str, str], extra: list[str]) -> dict:
+    started = time.monotonic()
+    child = launcher.start(
+        name, [PY, "-m", "services.cli", "decode", "--port", "0", *extra], ["decode"], env=env
+    )
+    launcher.wait_ready([child], 900)
+    ready = time.monotonic() - started
+    at_ready = rss_mib(child.proc.pid)
+    asyncio.run(load(child.address))
+    after = rss_mib(child.proc.pid)
+    launcher.stop([child])
+    return {
+        "ready_s": round(ready, 1),
+        "rss_ready_mib": round(at_ready[0]),
+        "rss_after_mib": round(after[0]),
+        "peak_mib": round(after[1]),
+    }
+
+
+def up_ready_s(launcher: Launcher) -> float:
+    port = free_port()
+    started = time.monotonic()
+    child = launcher.start(
+        "up", [PY, "-m", "services.cli", "up", "--port", "0", "--http-port", str(port)]
+    )
+    url = f"http://127.0.0.1:{port}/v1/models"
+    while time.monotonic() - started < 600:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                break
+        except OSError:
+            time.sleep(0.5)
+    ready = time.monotonic() - started
+    launcher.stop([child], 30)
+    return round(ready, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
+    args = ap.parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-footprint-"))
+    launcher = Launcher(logs, cwd=ROOT)
+    cold_cache = tempfile.mkdtemp(prefix="inductor-cold-")
+    base = dict(os.environ)
+    try:
+        # Fill the per-machine caches (probe, kernels) and the default compile cache first.
+        worker(launcher, "prime", base, [])
+        rows = {
+            "cold compile cache": worker(
+                launcher, "cold", {**base, "TORCHINDUCTOR_CACHE_DIR": cold_cache}, []
+            ),
+            "warm compile cache": worker(launcher, "warm", base, []),
+            "--enforce-eager": worker(launcher, "eager", base, ["--enforce-eager"]),
+        }
+        up = up_ready_s(launcher)
+    finally:
+        launcher.stop_all()
+    result = {"decode_worker": rows, "up_ready_s": up}
+    print(json.dumps(result, indent=1))
+    lines = [
+        "## Worker start-up and memory",
+        "",
+        "A decode worker with default settings (SmolLM2-135M-Instruct, `--dtype auto`, the "
+        "default 1 GiB KV budget), started alone; RSS at READY and after 16 requests of "
+        "256 -> 64 tokens (VmRSS; peak: VmHWM).",
+        "",
+        "| start | READY s | RSS at READY MiB | RSS after load MiB | peak MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"| {name} | {r['ready_s']} | {r['rss_ready_mib']} | {r['rss_after_mib']} | "
+            f"{r['peak_mib']} |"
+        )
+    lines += [
+        "",
+        f"`pdserve up` (Redis, kvstore, prefill and decode workers, gateway), warm cache: "
+        f"REST API answering after {up} s.",
+        "",
+        "Command: `.venv/bin/python bench/worker_footprint.py --write-results`",
+    ]
+    if args.write_results:
+        replace_section(ROOT / "bench/RESULTS.md", "worker-footprint", "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
