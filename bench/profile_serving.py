@@ -33,15 +33,17 @@ from services.common.model import locate_model  # noqa: E402
 
 SECTION = "serving-profile"
 ROLES = ("decode", "prefill", "gateway", "kvstore")
-# (category, substrings of a frame, any of which puts a sample in it), first match wins,
-# searched from the innermost frame outwards.
+# (category, substrings of a frame, any of which puts a sample in it): a sample goes to the
+# first category that any frame of its stack matches, so the order is the priority (the op
+# a sample is inside before the graph that called it, the engine thread before asyncio).
 CATEGORIES = (
     ("linears (pdserve::cpu_linear: AMX / oneDNN GEMMs)", ("cpu_linear.py", "gemm_cpu.py")),
     ("decode attention (pdserve::paged_attention, C kernel)", ("attention_cpu.py",)),
-    ("prefill attention (SDPA over the new tokens)", ("attention.py", "attention_ref.py")),
+    ("prefill attention (SDPA over the new tokens)", ("attention_ref.py",)),
     ("sampling", ("sampler.py",)),
     ("step inputs (scheduling, buffers)", ("step_inputs.py", "scheduler.py")),
-    ("rest of the compiled graph (norms, rope, SiLU, LM head glue)", ("torchinductor", "inductor")),
+    ("custom-op dispatch (torch.library's Python wrappers)", ("torch/_ops.py", "torch/_library")),
+    ("inductor's fused kernels (norms, rope, SiLU, adds)", ("torchinductor", "inductor")),
     ("model runner / engine step", ("model_runner.py", "engine.py")),
     ("gRPC / asyncio (token streaming, KV import)", ("grpc", "asyncio", "server.py")),
 )
@@ -84,11 +86,9 @@ def role_pids(root: int) -> dict[str, int]:
 
 
 def classify(stack: str) -> str:
-    frames = stack.split(";")
-    for frame in reversed(frames):
-        for name, needles in CATEGORIES:
-            if any(n in frame for n in needles):
-                return name
+    for name, needles in CATEGORIES:
+        if any(n in stack for n in needles):
+            return name
     return "other"
 
 
