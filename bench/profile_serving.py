@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     model = locate_model(str(args.model) if args.model else None)
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
     system = System("profile", Launcher(tmp / "logs", cwd=ROOT))
+    started: list[subprocess.Popen] = []  # the load and the samplers, ended if still running
     try:
         url = start_pdserve_disagg(system, model, timeout=300)
         warm_up(url, model, tmp / "warmup.log")
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 stdout=load_log,
                 stderr=subprocess.STDOUT,
             )
+        started.append(load)
         time.sleep(args.settle)
         spies = {
             role: subprocess.Popen(
@@ -162,11 +164,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             for role, pid in pids.items()
         }
+        started += spies.values()
         for spy in spies.values():
             spy.wait(timeout=args.duration + 60)
         still_loading = load.poll() is None
         load.wait(timeout=900)
     finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
         system.stop()
     lines = [
         f"`pdserve up` (1 prefill + 1 decode worker, defaults), {args.num_prompts} prompts "
