@@ -28,30 +28,7 @@ from bench.results_md import replace_section  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.prepare_model import resolve_model  # noqa: E402
 from tests.integration.test_exactness_smollm2 import CHATS  # noqa: E402
-
-
-def hf_bf16(path: Path, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list]]:
-    """transformers' bf16 greedy tokens and the top-2 logits at each step, per prompt."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    out = []
-    for prompt in prompts:
-        with torch.inference_mode():
-            gen = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        tokens = gen.sequences[0, len(prompt) :].tolist()
-        top2 = [step[0].float().topk(2).values.tolist() for step in gen.logits]
-        out.append((tokens, top2))
-    return out
+from tests.reference import hf_greedy  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(None)
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=2048)
     prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
-    ref = hf_bf16(path, prompts, args.max_new)
+    ref = hf_greedy(path, prompts, args.max_new, dtype=torch.bfloat16)
     params = SamplingParams(max_tokens=args.max_new, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     rows, agreed = [], 0
-    for k, (out, (tokens, top2)) in enumerate(zip(outs, ref, strict=True)):
+    for k, (out, r) in enumerate(zip(outs, ref, strict=True)):
+        tokens = r.tokens
         n = next(
             (i for i, (a, b) in enumerate(zip(out.token_ids, tokens, strict=True)) if a != b), None
         )
@@ -74,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             agreed += 1
             rows.append(f"| {k} | {len(prompts[k])} | all {len(tokens)} | - | - |")
             continue
-        best, second = top2[n]
-        gap = best - second
+        best, gap = r.best[n], r.gaps[n]
         step = 2.0 ** (math.floor(math.log2(abs(best))) - 7) if best else 2.0**-126
         tie = "yes" if gap <= 2 * step else "no"
         rows.append(

@@ -12,15 +12,19 @@ NEAR_TIE = 1e-4
 
 @dataclass(frozen=True)
 class Reference:
-    """transformers' greedy continuation of a prompt, with the top-2 logit gap at each step."""
+    """transformers' greedy continuation of a prompt, with the top-2 logit gap and the best
+    logit at each step."""
 
     prompt: list[int]
     tokens: list[int]
     gaps: list[float]
+    best: list[float]
 
     def suffix(self, j: int) -> Reference:
         """The same continuation seen from prompt + first j generated tokens."""
-        return Reference(self.prompt + self.tokens[:j], self.tokens[j:], self.gaps[j:])
+        return Reference(
+            self.prompt + self.tokens[:j], self.tokens[j:], self.gaps[j:], self.best[j:]
+        )
 
 
 def hf_greedy(
@@ -28,14 +32,16 @@ def hf_greedy(
     prompts: list[list[int]],
     max_new_tokens: int,
     repetition_penalty: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> list[Reference]:
-    """Run transformers' ``generate`` (float32, greedy, one prompt at a time, EOS ignored).
+    """Run transformers' ``generate`` (greedy, one prompt at a time, EOS ignored; float32
+    unless ``dtype`` says otherwise).
 
     With a repetition penalty, the gaps are those of the penalized scores the argmax saw.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
     refs = []
@@ -53,11 +59,12 @@ def hf_greedy(
                 pad_token_id=0,
             )
         tokens = out.sequences[0, len(prompt) :].tolist()
-        gaps = []
+        gaps, best = [], []
         for step_logits in out.logits if repetition_penalty == 1.0 else out.scores:
             top2 = step_logits[0].float().topk(2).values
             gaps.append(float(top2[0] - top2[1]))
-        refs.append(Reference(list(prompt), tokens, gaps))
+            best.append(float(top2[0]))
+        refs.append(Reference(list(prompt), tokens, gaps, best))
     return refs
 
 
