@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# A temperature below this samples greedily, as in vLLM: dividing logits by it would
+# overflow to inf and make the probabilities NaN.
+SAMPLING_EPS = 1e-5
 # max_tokens of a request that leaves it unset (the gateway's --max-tokens-default).
 DEFAULT_MAX_TOKENS = 256
 
@@ -17,7 +20,7 @@ DEFAULT_MAX_TOKENS = 256
 class SamplingParams:
     """How to pick each next token, and when to stop.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 and min_p 0.0
+    temperature 0 (or below SAMPLING_EPS) means greedy. top_k -1 (or 0) disables top-k; top_p 1.0 and min_p 0.0
     disable theirs. A seed makes sampling reproducible whatever the batch. Penalties follow
     vLLM: presence and frequency (0.0: off) count output tokens only; repetition (1.0: off)
     divides or multiplies the logits of every token seen in the prompt or the output.
@@ -90,7 +93,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Whether the next token is the argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

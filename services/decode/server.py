@@ -30,7 +30,7 @@ from services.common.wire import (
     sampling_from_proto,
 )
 from services.engine.async_engine import AsyncEngine, Handover
-from services.worker.runtime import serve_engine, start_engine
+from services.worker.runtime import error_status, serve_engine, start_engine
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +132,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 request.request_id, prompt, params, handover=handover
             ):
                 if delta.finish_reason == "error":
-                    await context.abort(
-                        grpc.StatusCode.INTERNAL, "the decode engine failed; see its log"
-                    )
+                    await context.abort(*error_status(request.request_id, delta.error))
                 yield decode_pb2.DecodeResponse(
                     token_ids=delta.token_ids,
                     logprobs=[logprob_to_proto(lp) for lp in delta.logprobs],

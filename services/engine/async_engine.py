@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from services.common.sampling import SamplingParams, TokenLogprobs
 from services.engine.engine import LLMEngine
-from services.engine.outputs import RequestDelta
+from services.engine.outputs import RequestDelta, RequestError
 from services.engine.sequence import PREFILLED, Sequence
 
 logger = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class AsyncEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_imported_tokens=seq.num_imported_tokens,
             exported=exported,
+            error=seq.error if reason == "error" else None,
         )
         loop.call_soon_threadsafe(out.put_nowait, delta)
 
@@ -187,15 +188,16 @@ class AsyncEngine:
                 continue
             try:
                 step = self.engine.step()
-            except Exception:  # a bug: fail every open request rather than hang them
+            except Exception as error:  # a bug: fail every open request rather than hang them
                 logger.exception("engine step failed")
-                self._fail_all()
+                self._fail_all(RequestError(f"the engine step failed: {error!r}"))
                 continue
             for seq in step.advanced:
                 self._emit(seq)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, error: RequestError) -> None:
         for request_id in list(self._streams):
             loop, out, _ = self._streams.pop(request_id)
-            loop.call_soon_threadsafe(out.put_nowait, RequestDelta([], [], finish_reason="error"))
+            delta = RequestDelta([], [], finish_reason="error", error=error)
+            loop.call_soon_threadsafe(out.put_nowait, delta)
             self.engine.abort(request_id)

@@ -133,7 +133,11 @@ class LLMEngine:
             self._seqs.pop(seq.request_id, None)
             if seq.finish_reason == PREFILLED:
                 self._held[seq.request_id] = seq
-        advanced = [s for s, t in zip(batch.seqs, output.token_ids, strict=True) if t is not None]
+        advanced = [
+            s
+            for s, t in zip(batch.seqs, output.token_ids, strict=True)
+            if t is not None or s.finish_reason == "error"
+        ]
         return StepOutput(advanced, finished)
 
     def stats(self) -> EngineStats:

@@ -155,11 +155,14 @@ class ModelRunner:
             hidden = self._run(step, bucket)
             logits = self.model.compute_logits(hidden[step.logit_rows])
         seqs = [batch.seqs[i] for i in step.sample_order]
-        tokens, logprobs = self.sampler(logits, seqs)
-        output = ModelRunnerOutput([None] * len(batch.seqs), [None] * len(batch.seqs))
+        tokens, logprobs, errors = self.sampler(logits, seqs)
+        n = len(batch.seqs)
+        output = ModelRunnerOutput([None] * n, [None] * n, [None] * n if any(errors) else None)
         for k, i in enumerate(step.sample_order):
             output.token_ids[i] = tokens[k]
             output.logprobs[i] = logprobs[k]
+            if output.errors is not None:
+                output.errors[i] = errors[k]
         return output
 
     def _decode_bucket(self, batch: ScheduledBatch) -> int:

@@ -15,16 +15,31 @@ from services.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
+class RequestError:
+    """Why the engine ended one request with finish_reason "error".
+
+    ``invalid``: the request's own values made it fail (e.g. sampling parameters whose
+    probabilities are not finite): the caller's fault, a 400. Otherwise a fault in the
+    engine that hit this request only: a 500. Either way the other requests go on.
+    """
+
+    message: str
+    invalid: bool = False
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """One step's samples, index-aligned with the scheduled batch's sequences.
 
     ``token_ids[i]`` is the token sampled for ``batch.seqs[i]``, None when its step was a
     prompt chunk that did not reach the prompt's end; ``logprobs[i]`` its logprobs when the
-    request asked for them.
+    request asked for them; ``errors[i]`` why its row could not be sampled (its request
+    ends with "error"; None for every row when all went well).
     """
 
     token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
+    errors: list[RequestError | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     num_imported_tokens: int = 0
     exported: list[ExportedBlock] | None = None  # a prefilled request: the prompt's blocks
+    error: RequestError | None = None  # with finish_reason "error": why
 
 
 @dataclass(frozen=True)

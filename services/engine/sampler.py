@@ -9,11 +9,41 @@ its own noise came from.
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from services.common.sampling import TokenLogprobs
+from services.engine.outputs import RequestError
 from services.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Samples(NamedTuple):
+    """One token per row (None where it could not be sampled), its logprobs when asked
+    for, and why a row could not be sampled."""
+
+    tokens: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+    errors: list[RequestError | None]
+
+
+def _unsamplable(raw: torch.Tensor, seq: Sequence) -> RequestError:
+    """The error of a row whose logits or probabilities are not usable."""
+    if not bool(raw.isfinite().all()):
+        return RequestError("the model's logits are not finite (NaN or inf)")
+    p = seq.params
+    return RequestError(
+        "the sampling parameters make the next token's probabilities non-finite "
+        f"(temperature={p.temperature:g}, top_k={p.top_k}, top_p={p.top_p:g}, "
+        f"min_p={p.min_p:g}, repetition_penalty={p.repetition_penalty:g}, "
+        f"presence_penalty={p.presence_penalty:g}, "
+        f"frequency_penalty={p.frequency_penalty:g})",
+        invalid=True,
+    )
 
 
 class Sampler:
@@ -27,34 +57,68 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
+        # A test's fault injection: called with every row's sequence before a draw; what
+        # it raises is a fault in that row's sampling.
+        self.fault: Callable[[Sequence], None] | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
         """logits: [M, vocab], row i for seqs[i].
 
         Logprobs are those of the raw logits, before penalties and temperature, as vLLM's.
+        A row that cannot be sampled gets token None and its error, and costs no other row
+        anything: an exception in the batched draw is retried row by row.
         """
+        try:
+            return self._sample(logits, seqs)
+        except Exception as error:  # noqa: BLE001 (it becomes the rows' errors)
+            if len(seqs) == 1:
+                logger.exception("sampling request %s failed", seqs[0].request_id)
+                return Samples([None], [None], [RequestError(f"sampling failed: {error!r}")])
+        samples = Samples([], [], [])
+        for i, seq in enumerate(seqs):
+            row = self(logits[i : i + 1], [seq])
+            for mine, theirs in zip(samples, row, strict=True):
+                mine.extend(theirs)
+        return samples
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
+        if self.fault is not None:
+            for s in seqs:
+                self.fault(s)
         raw = logits.float()
         penalized = apply_penalties(raw, seqs)
         tokens = penalized.argmax(dim=-1)
+        # argmax picks a NaN when there is one: the value at the pick tells a bad row.
+        ok = ~penalized.gather(1, tokens[:, None])[:, 0].isnan()
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             rows = torch.tensor(sampled, device=raw.device)
             probs = filtered_probs(penalized[rows], [seqs[i] for i in sampled])
             noise = self._noise(probs, [seqs[i] for i in sampled])
-            tokens = tokens.index_copy(0, rows, (probs / noise).argmax(dim=-1))
-        token_list = tokens.tolist()
+            picks = (probs / noise).argmax(dim=-1)
+            tokens = tokens.index_copy(0, rows, picks)
+            # NaN or all-zero probabilities: the pick's probability is not > 0.
+            ok = ok.index_copy(0, rows, probs.gather(1, picks[:, None])[:, 0] > 0)
+        token_list: list[int | None] = tokens.tolist()
+        errors: list[RequestError | None] = [None] * len(seqs)
+        if not bool(ok.all()):
+            for i in (~ok).nonzero()[:, 0].tolist():
+                token_list[i] = None
+                errors[i] = _unsamplable(raw[i], seqs[i])
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        want = [
+            i
+            for i, s in enumerate(seqs)
+            if s.params.logprobs is not None and token_list[i] is not None
+        ]
         if want:
             picked = [token_list[i] for i in want]
             tops = [seqs[i].params.logprobs for i in want]
             for i, lp in zip(want, token_logprobs(raw[want], picked, tops), strict=True):
                 logprobs[i] = lp
-        return token_list, logprobs
+        return Samples(token_list, logprobs, errors)
 
     def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """[R, vocab] Exp(1) noise: seeded rows from (seed, step), the rest from the sampler."""

@@ -115,11 +115,17 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, output: ModelRunnerOutput) -> list[Sequence]:
         """Advance the batch by its computed tokens, append sampled ones; return the finished."""
         finished = []
-        for seq, n, token, logprobs in zip(
-            batch.seqs, batch.num_new_tokens, output.token_ids, output.logprobs, strict=True
+        errors = output.errors or [None] * len(batch.seqs)
+        for seq, n, token, logprobs, error in zip(
+            batch.seqs, batch.num_new_tokens, output.token_ids, output.logprobs, errors, strict=True
         ):
             seq.num_computed_tokens += n
             self.kv_cache.cache_full_blocks(seq)
+            if error is not None:  # this request only: the others go on
+                seq.error = error
+                self._finish(seq, "error")
+                finished.append(seq)
+                continue
             if token is None:
                 continue
             seq.append_token(token, logprobs)

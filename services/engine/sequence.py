@@ -52,6 +52,7 @@ class Sequence:
     # until they are exported.
     prefill_only: bool = False
     num_imported_tokens: int = 0
+    error: object | None = None  # a RequestError when finish_reason is "error"
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

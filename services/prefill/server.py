@@ -20,7 +20,7 @@ from services.common.service import Serving, run_service
 from services.common.wire import layout_to_proto, logprob_to_proto, sampling_from_proto
 from services.engine.async_engine import AsyncEngine
 from services.engine.sequence import PREFILLED
-from services.worker.runtime import serve_engine, start_engine
+from services.worker.runtime import error_status, serve_engine, start_engine
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last = deltas[-1]
         if last.finish_reason == "error":
-            await context.abort(grpc.StatusCode.INTERNAL, "the prefill engine failed; see its log")
+            await context.abort(*error_status(request.request_id, last.error))
         blocks = last.exported or []  # only a PREFILLED request has any
         addresses: list[str] = []
         if blocks:

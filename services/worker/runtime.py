@@ -20,7 +20,17 @@ from services.common.registry_publisher import RegistryPublisher, publisher_for
 from services.common.service import Serving
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
+from services.engine.outputs import RequestError
 from services.engine.prepare_model import resolve_model
+
+
+def error_status(request_id: str, error: RequestError | None) -> tuple[grpc.StatusCode, str]:
+    """The status of a request the engine ended with "error": INVALID_ARGUMENT when its own
+    values caused it, else INTERNAL; the message names the request."""
+    if error is None:
+        return grpc.StatusCode.INTERNAL, f"request {request_id}: the engine failed; see its log"
+    code = grpc.StatusCode.INVALID_ARGUMENT if error.invalid else grpc.StatusCode.INTERNAL
+    return code, f"request {request_id}: {error.message}"
 
 
 def start_engine(

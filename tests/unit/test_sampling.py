@@ -130,20 +130,20 @@ def logits_of(probs: list[float]) -> torch.Tensor:
 
 def draws(row: torch.Tensor, s: Sequence, n: int = 1000) -> torch.Tensor:
     """``n`` tokens drawn for the same row (one batch of ``n`` rows)."""
-    tokens, _ = Sampler(seed=0)(row.expand(n, -1), [s] * n)
+    tokens, _, _ = Sampler(seed=0)(row.expand(n, -1), [s] * n)
     return torch.tensor(tokens)
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
-    tokens, logprobs = Sampler()(logits, [seq(str(i), temperature=0.0) for i in range(6)])
+    tokens, logprobs, _ = Sampler()(logits, [seq(str(i), temperature=0.0) for i in range(6)])
     assert tokens == logits.argmax(dim=-1).tolist()
     assert logprobs == [None] * 6
 
 
 def test_top_k_one_is_greedy():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
-    tokens, _ = Sampler()(logits, [seq(str(i), temperature=1.5, top_k=1) for i in range(4)])
+    tokens, _, _ = Sampler()(logits, [seq(str(i), temperature=1.5, top_k=1) for i in range(4)])
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
@@ -224,7 +224,7 @@ def test_logprobs_of_the_sampled_token_and_the_top_n():
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 40, generator=gen)
     seqs = [seq("a", logprobs=3), seq("b"), seq("c", temperature=0.0, logprobs=0)]
-    tokens, logprobs = Sampler(seed=0)(logits, seqs)
+    tokens, logprobs, _ = Sampler(seed=0)(logits, seqs)
     expected = torch.log_softmax(logits, dim=-1)
 
     a = logprobs[0]
@@ -246,7 +246,7 @@ def test_logprobs_of_the_sampled_token_and_the_top_n():
 
 def test_logprobs_are_of_the_unscaled_logits():
     logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(6))
-    tokens, logprobs = Sampler()(logits, [seq(temperature=0.3, top_k=3, logprobs=2)])
+    tokens, logprobs, _ = Sampler()(logits, [seq(temperature=0.3, top_k=3, logprobs=2)])
     expected = torch.log_softmax(logits[0], dim=-1)
     assert logprobs[0].logprob == pytest.approx(expected[tokens[0]].item(), abs=1e-6)
 
@@ -317,7 +317,7 @@ def test_each_row_counts_its_own_tokens():
 def test_greedy_is_penalized_and_logprobs_stay_raw():
     logits = torch.tensor([[5.0, 4.0, 1.0]])
     s = with_outputs([2], [0], temperature=0.0, frequency_penalty=2.0, logprobs=1)
-    tokens, logprobs = Sampler()(logits, [s])
+    tokens, logprobs, _ = Sampler()(logits, [s])
     assert tokens == [1]  # 5 - 2 < 4
     expected = torch.log_softmax(logits[0], dim=-1)
     assert logprobs[0].logprob == pytest.approx(expected[1].item(), abs=1e-6)
@@ -333,7 +333,7 @@ def test_penalties_on_cuda_logits():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_sampler_draws_from_cuda_logits():
     logits = torch.randn(2, 32, device="cuda")
-    tokens, _ = Sampler()(logits, [seq("a"), seq("b", seed=1)])
+    tokens, _, _ = Sampler()(logits, [seq("a"), seq("b", seed=1)])
     assert all(0 <= t < 32 for t in tokens)
 
 
@@ -354,3 +354,75 @@ def test_proto3_zero_penalties_mean_off():
     for received in (sampling_from_proto(proto), sampling_from_proto(proto, 16)):
         assert not received.has_penalties
         assert received.repetition_penalty == 1.0
+
+
+# -- one row's fault is its own ------------------------------------------------------------
+
+
+def test_a_temperature_below_epsilon_is_greedy():
+    s = seq(temperature=1e-30)
+    assert s.params.greedy
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    tokens, _, errors = Sampler()(logits, [s])
+    assert tokens == [1] and errors == [None]
+
+
+def _healthy_batch() -> list[Sequence]:
+    """Seeded sampled rows and a greedy one: their tokens depend on nothing else."""
+    return [seq(f"h{i}", seed=i, temperature=0.8, top_p=0.9) for i in range(5)] + [
+        seq("g", temperature=0.0)
+    ]
+
+
+def _tokens_without(logits: torch.Tensor, bad_row: int) -> list[int]:
+    rows = [i for i in range(logits.shape[0]) if i != bad_row]
+    tokens, _, errors = Sampler(seed=3)(logits[rows], _healthy_batch())
+    assert errors == [None] * len(rows)
+    return tokens
+
+
+@pytest.mark.parametrize("where", [0, 3, 6])
+def test_poisonous_sampling_values_fail_only_their_row(where):
+    logits = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)) * 4
+    # A repetition penalty this small overflows the seen tokens' logits to inf: the row's
+    # probabilities are NaN.
+    poison = Sequence(
+        "poison",
+        [int(logits[where].argmax())],
+        SamplingParams(temperature=0.7, repetition_penalty=1e-38),
+    )
+    batch = _healthy_batch()
+    batch.insert(where, poison)
+    tokens, logprobs, errors = Sampler(seed=3)(logits, batch)
+    assert tokens[where] is None and logprobs[where] is None
+    assert errors[where].invalid and "repetition_penalty=1e-38" in errors[where].message
+    others = tokens[:where] + tokens[where + 1 :]
+    assert others == _tokens_without(logits, where)
+    assert all(e is None for i, e in enumerate(errors) if i != where)
+
+
+def test_non_finite_logits_of_one_row_are_a_fault_of_that_row_only():
+    logits = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
+    logits[2, 10] = NAN
+    batch = _healthy_batch()
+    batch.insert(2, seq("nan", temperature=0.0))
+    tokens, _, errors = Sampler(seed=3)(logits, batch)
+    assert tokens[2] is None and not errors[2].invalid and "not finite" in errors[2].message
+    assert tokens[:2] + tokens[3:] == _tokens_without(logits, 2)
+
+
+def test_a_fault_in_one_rows_sampling_leaves_the_others_as_they_were():
+    logits = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
+    batch = _healthy_batch()
+    batch.insert(4, seq("faulty", seed=9, temperature=1.0, logprobs=2))
+    sampler = Sampler(seed=3)
+
+    def fault(s: Sequence) -> None:
+        if s.request_id == "faulty":
+            raise RuntimeError("injected")
+
+    sampler.fault = fault
+    tokens, logprobs, errors = sampler(logits, batch)
+    assert tokens[4] is None and logprobs[4] is None
+    assert "injected" in errors[4].message and not errors[4].invalid
+    assert tokens[:4] + tokens[5:] == _tokens_without(logits, 4)
