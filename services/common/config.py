@@ -13,11 +13,12 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.common.sampling import DEFAULT_MAX_TOKENS
+from services.common.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from services.common.settings import SettingsError, check, setting
 from services.common.sizes import parse_size
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_N = 128  # the most choices --max-n may allow
 
 
 @dataclass(frozen=True)
@@ -314,14 +315,30 @@ class GatewaySettings:
         "require 'Authorization: Bearer KEY' on the REST API's /v1 routes (default: open)",
         secret=True,
     )
-    max_body_bytes: int = setting(4 << 20, "largest REST request body; a larger one gets 413")
+    max_body_bytes: int = setting(
+        4 << 20,
+        "largest request: a REST body (413 past it) or a gRPC message (RESOURCE_EXHAUSTED)",
+    )
     max_concurrent_requests: int = setting(
-        256, "REST requests generating at once; more wait in the queue"
+        256, "requests (REST and gRPC together) generating at once; more wait in the queue"
     )
     max_queued_requests: int = setting(
-        512, "REST requests waiting for a slot; past that, 429 with Retry-After"
+        512,
+        "requests waiting for a slot; past that, 429 with Retry-After (gRPC: "
+        "RESOURCE_EXHAUSTED with retry-after metadata)",
     )
-    queue_timeout: float = setting(30.0, "seconds a queued REST request waits before a 429")
+    queue_timeout: float = setting(30.0, "seconds a queued request waits before it is refused")
+    send_timeout: float = setting(
+        30.0,
+        "seconds a streaming client may go without reading before its stream is cancelled "
+        "and its slot freed",
+    )
+    max_n: int = setting(16, "most choices (n) one REST request may ask for")
+    max_stop: int = setting(16, "most stop strings, and most stop token ids, of one request")
+    max_stop_chars: int = setting(1024, "longest stop string, in characters")
+    max_logprobs: int = setting(
+        MAX_LOGPROBS, f"most top logprobs per token a request may ask for (0 to {MAX_LOGPROBS})"
+    )
     routing: RoutingSettings = setting(default_factory=RoutingSettings)
     redis: RedisSettings = setting(default_factory=RedisSettings)
     log: LogSettings = setting(default_factory=LogSettings)
@@ -375,12 +392,23 @@ class GatewaySettings:
             self.max_concurrent_requests >= 1,
             f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}",
         )
+        check(1 <= self.max_n <= MAX_N, f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
+        for flag, value in (
+            ("--max-stop", self.max_stop),
+            ("--max-stop-chars", self.max_stop_chars),
+        ):
+            check(value >= 1, f"{flag} must be at least 1, got {value}")
+        check(
+            0 <= self.max_logprobs <= MAX_LOGPROBS,
+            f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}",
+        )
         check(
             self.max_queued_requests >= 0,
             f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}",
         )
         for flag, value in (
             ("--queue-timeout", self.queue_timeout),
+            ("--send-timeout", self.send_timeout),
             ("--prefill-timeout", self.prefill_timeout),
             ("--decode-timeout", self.decode_timeout),
         ):

@@ -41,10 +41,17 @@ async def start_server(
     address: str,
     register: Iterable[Callable[[grpc.aio.Server], None]],
     service_names: Iterable[str],
+    max_receive_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start an aio server on ``address`` ("127.0.0.1:0" picks a port) with the standard
-    health service (every service SERVING) and server reflection. Returns (server, port)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health service (every service SERVING) and server reflection. Returns (server, port).
+    ``max_receive_bytes``: the largest request message (default MAX_MESSAGE_BYTES); a
+    larger one gets RESOURCE_EXHAUSTED."""
+    options = SERVER_OPTIONS
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options)
     for add in register:
         add(server)
     names = list(service_names)

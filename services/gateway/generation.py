@@ -7,6 +7,7 @@ messages with new token ids, new text and logprobs, the last with finish_reason 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -19,6 +20,8 @@ from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
 from services.gateway.requests import InvalidRequest, PreparedRequest
 from services.gateway.router import NoWorkerError
 from services.gateway.stop import StopChecker
+
+logger = logging.getLogger(__name__)
 
 # What a request can meet on its way; anything else is a bug in the gateway.
 REQUEST_ERRORS = (InvalidRequest, grpc.aio.AioRpcError, NoWorkerError, WorkerProtocolError)
@@ -46,7 +49,7 @@ async def generate(
                 tail, stopped = stop.feed(detokenizer.finish())
                 text += tail if stopped else tail + stop.flush()
             chunk = gateway_pb2.GenerateResponse(
-                request_id=request.request_id, token_ids=event.token_ids, text=text
+                request_id=request.reply_id, token_ids=event.token_ids, text=text
             )
             if request.wants_logprobs:
                 chunk.logprobs.extend(event.logprobs)
@@ -59,6 +62,15 @@ async def generate(
     if last is None:
         raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")
     last.usage.CopyFrom(usage)
+    logger.info(
+        "request %s%s: %d prompt tokens (%d cached), %d generated, finish %s",
+        request.request_id,
+        f" (client id {request.client_request_id!r})" if request.client_request_id else "",
+        usage.prompt_tokens,
+        usage.cached_prompt_tokens,
+        usage.completion_tokens,
+        last.finish_reason,
+    )
     yield last
 
 

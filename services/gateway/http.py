@@ -13,6 +13,10 @@ import uvicorn
 
 logger = logging.getLogger(__name__)
 
+# A connection's kernel send buffer: ample for token streams and JSON answers, and without
+# it loopback and LAN connections autotune to megabytes per slow reader.
+SEND_BUFFER_BYTES = 128 * 1024
+
 
 class _Server(uvicorn.Server):
     """A uvicorn server that leaves signals to the gateway, which stops it on SIGTERM."""
@@ -36,6 +40,9 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Inherited by every connection: what a client that stops reading can leave queued
+        # in the kernel before its sends wait (and --send-timeout ends its stream).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         try:
             sock.bind((host, port))
         except OSError as error:

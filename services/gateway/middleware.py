@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from services.gateway.openai_protocol import APIError
 
 REQUEST_ID_HEADER = "x-request-id"
+MAX_CLIENT_ID_CHARS = 256  # of an x-request-id kept to echo and log
 PROTECTED_PREFIX = "/v1/"  # /health and /openapi.json stay open
 
 
@@ -24,7 +25,10 @@ async def send_error(scope: dict, receive: Any, send: Any, error: APIError, **he
 
 
 class RequestIdMiddleware:
-    """Takes the request id from ``x-request-id`` (or makes one) and echoes it on the response."""
+    """Gives every request the gateway's own id (``state.request_id``: what the workers
+    see) and keeps the client's ``x-request-id`` (``state.client_request_id``) only to echo
+    it on the response and log it: two clients sending the same one never collide. Without
+    one, the response carries the gateway's id."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -34,8 +38,10 @@ class RequestIdMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         value = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1").strip()
-        request_id = value or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = uuid.uuid4().hex
+        state["client_request_id"] = value[:MAX_CLIENT_ID_CHARS]
+        request_id = state["client_request_id"] or state["request_id"]
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":

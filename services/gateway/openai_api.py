@@ -7,6 +7,7 @@ A REST request becomes a ``GenerateRequest`` and goes through the same ``prepare
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -40,6 +41,8 @@ from services.gateway.openai_reply import Reply
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1  # what an overloaded or workerless gateway asks a client to wait
 
 # -- the app -----------------------------------------------------------------------------
@@ -57,6 +60,7 @@ class Served:
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 << 20
     admission: Admission = field(default_factory=lambda: Admission(256, 512, 30.0))
+    send_timeout_s: float = 30.0
 
 
 def create_app(served: Served) -> FastAPI:
@@ -125,6 +129,13 @@ def create_app(served: Served) -> FastAPI:
         if isinstance(body.prompt, str):
             proto = gateway_pb2.GenerateRequest(prompt=body.prompt)
         else:
+            if len(body.prompt) >= served.limits.max_model_len:
+                raise APIError(
+                    400,
+                    f"the prompt has {len(body.prompt)} tokens, but the model's maximum "
+                    f"context length is {served.limits.max_model_len}",
+                    param="prompt",
+                )
             try:
                 ids = gateway_pb2.TokenIds(ids=body.prompt)
             except ValueError:  # past the proto's uint32; prepare names the vocabulary size
@@ -159,7 +170,9 @@ async def _complete(
             code="model_not_found",
         )
     request_id = request.state.request_id
-    requests = _prepare_choices(served, body, proto, request_id)
+    proto.request_id = request.state.client_request_id
+    # Tokenizing and chat templating are CPU work: not on the loop that serves every client.
+    requests = await asyncio.to_thread(_prepare_choices, served, body, proto, request_id)
     reply = Reply(
         id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
         model=served.model_name,
@@ -182,7 +195,7 @@ async def _complete(
             return Response(status_code=499)  # the client left; nobody reads this
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = reply.sse(_prepend(first, chunks), len(requests), include_usage)
-        response = _HeldStream(events, admission, chunks)
+        response = _HeldStream(events, admission, chunks, served.send_timeout_s)
         admission = None  # the stream releases the slot
         return response
     finally:
@@ -214,19 +227,44 @@ async def _prepend(
             yield item
 
 
+class _ClientStalled(Exception):
+    """The client stopped reading its stream."""
+
+
 class _HeldStream(StreamingResponse):
-    """An SSE stream that, however it ends, stops its generations and frees its slot."""
+    """An SSE stream that, however it ends, stops its generations and frees its slot.
+
+    A client that stops reading fills the socket's buffers and then every send waits; one
+    that waits longer than ``send_timeout_s`` ends the stream (its connection is closed).
+    """
 
     def __init__(
-        self, events: AsyncIterator[str], admission: Admission, chunks: AsyncGenerator
+        self,
+        events: AsyncIterator[str],
+        admission: Admission,
+        chunks: AsyncGenerator,
+        send_timeout_s: float,
     ) -> None:
         super().__init__(events, media_type="text/event-stream")
         self._admission = admission
         self._chunks = chunks
+        self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_or_give_up(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._send_timeout_s)
+            except TimeoutError:
+                raise _ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except _ClientStalled:
+            logger.warning(
+                "request %s: the client read nothing for %gs (--send-timeout); stream cancelled",
+                scope.get("state", {}).get("request_id"),
+                self._send_timeout_s,
+            )
         finally:
             try:
                 await self._chunks.aclose()  # a stream never iterated still runs them
@@ -241,6 +279,10 @@ def _prepare_choices(
     request_id: str,
 ) -> list[PreparedRequest]:
     """One prepared request per choice; a seeded choice i samples with seed + i."""
+    if body.n > served.limits.max_n:
+        raise APIError(
+            400, f"n is {body.n}; at most {served.limits.max_n} choices are allowed", param="n"
+        )
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -266,9 +308,8 @@ def _prepare_choices(
         proto.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
     except ValueError as error:  # a value outside the proto's range
         raise APIError(400, f"a parameter is out of range: {error}") from None
-    proto.request_id = f"{request_id}-0"
     try:
-        first = prepare(proto, served.tokenizer, served.limits)
+        first = prepare(proto, served.tokenizer, served.limits, request_id=f"{request_id}-0")
     except InvalidRequest as error:
         raise APIError(400, str(error), param=_param_of(str(error), body)) from None
     choices = [first]

@@ -8,10 +8,9 @@ import grpc
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.config import MAX_N
 from services.gateway.requests import InvalidRequest
 from services.gateway.router import NoWorkerError
-
-MAX_N = 16  # choices per request
 
 # A worker's gRPC status as the HTTP status a REST client expects.
 _HTTP_STATUS = {

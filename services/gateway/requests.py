@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.common.model import check_prompt
 from services.common.pb import common_pb2, gateway_pb2
-from services.common.sampling import DEFAULT_MAX_TOKENS
+from services.common.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from services.common.tokenizer import ChatTemplateError, Tokenizer
 from services.common.wire import sampling_from_proto, sampling_to_proto
 
@@ -22,46 +22,123 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated request: its id, prompt tokens, worker-ready params and stop strings."""
+    """A validated request: its id, prompt tokens, worker-ready params and stop strings.
+
+    ``request_id`` is the gateway's own, unique, and is what the workers see;
+    ``client_request_id`` is what the client called it (``x-request-id``, or the gRPC
+    request's ``request_id``): only echoed back and logged, so two clients that pick the
+    same id never meet.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: common_pb2.SamplingParams  # proto3 defaults resolved into explicit values
     stop: tuple[str, ...]
+    client_request_id: str = ""
 
     @property
     def wants_logprobs(self) -> bool:
         return self.params.HasField("logprobs")
 
+    @property
+    def reply_id(self) -> str:
+        """The id the client's answers carry: its own when it gave one."""
+        return self.client_request_id or self.request_id
+
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the served model accepts: prompts shorter than max_model_len, ids below vocab_size."""
+    """What the served model accepts (prompts shorter than max_model_len, ids below
+    vocab_size) and the gateway's caps on what one request may ask for."""
 
     max_model_len: int
     vocab_size: int
     max_tokens_default: int = DEFAULT_MAX_TOKENS
+    max_n: int = 16
+    max_stop: int = 16
+    max_stop_chars: int = 1024
+    max_logprobs: int = MAX_LOGPROBS
+
+
+def new_request_id() -> str:
+    """A fresh gateway request id."""
+    return uuid.uuid4().hex
 
 
 def prepare(
-    request: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits
+    request: gateway_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+    request_id: str | None = None,
 ) -> PreparedRequest:
-    """Tokenize and check ``request``; raise InvalidRequest if it cannot be served."""
-    prompt_token_ids = prompt_tokens(request, tokenizer)
+    """Check and tokenize ``request``; raise InvalidRequest if it cannot be served.
+
+    ``request_id``: the gateway's id for it (default: a new one); the request's own
+    ``request_id`` is kept only as ``client_request_id``. Tokenizing is CPU work: callers
+    on an event loop run this in a thread.
+    """
+    check_bounds(request, limits)
+    prompt_token_ids = prompt_tokens(request, tokenizer, limits)
     try:
         check_prompt(prompt_token_ids, limits.max_model_len, limits.vocab_size)
-        params = sampling_from_proto(request.params, limits.max_tokens_default)
+        room = limits.max_model_len - len(prompt_token_ids)
+        asked = request.params.max_tokens
+        if asked > room:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limits.max_model_len} tokens. "
+                f"However, you requested {len(prompt_token_ids) + asked} tokens "
+                f"({len(prompt_token_ids)} in the prompt, {asked} in the completion). "
+                "Please reduce the length of the prompt or max_tokens."
+            )
+        # An unset max_tokens takes the default, or what room the context leaves.
+        params = sampling_from_proto(request.params, min(limits.max_tokens_default, room))
     except ValueError as error:
         raise InvalidRequest(str(error)) from None
     return PreparedRequest(
-        request_id=request.request_id or uuid.uuid4().hex,
+        request_id=request_id or new_request_id(),
         prompt_token_ids=prompt_token_ids,
         params=sampling_to_proto(params),
         stop=tuple(request.stop),
+        client_request_id=request.request_id,
     )
 
 
-def prompt_tokens(request: gateway_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+def check_bounds(request: gateway_pb2.GenerateRequest, limits: ModelLimits) -> None:
+    """Refuse what is too large to look at, before any of it is tokenized or copied."""
+    stop = request.stop
+    if len(stop) > limits.max_stop:
+        raise InvalidRequest(
+            f"stop has {len(stop)} strings; at most {limits.max_stop} are allowed (--max-stop)"
+        )
+    longest = max((len(s) for s in stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise InvalidRequest(
+            f"a stop string has {longest} characters; at most {limits.max_stop_chars} are "
+            "allowed (--max-stop-chars)"
+        )
+    stop_ids = request.params.stop_token_ids
+    if len(stop_ids) > limits.max_stop:
+        raise InvalidRequest(
+            f"stop_token_ids has {len(stop_ids)} ids; at most {limits.max_stop} are allowed "
+            "(--max-stop)"
+        )
+    if request.params.HasField("logprobs") and request.params.logprobs > limits.max_logprobs:
+        raise InvalidRequest(
+            f"logprobs asks for the top {request.params.logprobs} tokens; at most "
+            f"{limits.max_logprobs} are allowed (--max-logprobs)"
+        )
+    if request.WhichOneof("input") == "prompt_token_ids":
+        n = len(request.prompt_token_ids.ids)
+        if n >= limits.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens, but the model's maximum context length is "
+                f"{limits.max_model_len}: shorten it to leave room for output"
+            )
+
+
+def prompt_tokens(
+    request: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits
+) -> list[int]:
     """The prompt's token ids: text tokenized as is, ids as given, or a chat templated."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
@@ -69,7 +146,7 @@ def prompt_tokens(request: gateway_pb2.GenerateRequest, tokenizer: Tokenizer) ->
             raise InvalidRequest("the prompt is empty: send some text")
         return list(tokenizer.encode(request.prompt, add_special_tokens=True))
     if kind == "prompt_token_ids":
-        return list(request.prompt_token_ids.ids)
+        return list(request.prompt_token_ids.ids)  # its length is checked already
     if kind == "messages":
         messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         if not messages:

@@ -8,13 +8,16 @@ it reads of the model.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hmac
 import logging
 import sys
 from collections.abc import Sequence
 from contextlib import aclosing
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common.config import GatewaySettings
 from services.common.grpc_utils import host_port, start_server
@@ -23,12 +26,12 @@ from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
 from services.common.tokenizer import Tokenizer
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, Overloaded
 from services.gateway.generation import REQUEST_ERRORS, generate
 from services.gateway.http import HttpServer
-from services.gateway.openai_api import Served, create_app
+from services.gateway.openai_api import RETRY_AFTER_S, Served, create_app
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.requests import InvalidRequest, ModelLimits, prepare
+from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
 from services.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
 
 logger = logging.getLogger(__name__)
@@ -37,22 +40,37 @@ SERVICE_NAME = "pdserve.v1.Gateway"
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Validates and tokenizes requests, runs them, and turns token streams into text."""
+    """Validates and tokenizes requests, runs them, and turns token streams into text.
+
+    The gRPC front keeps the REST front's rules: the same API key (``authorization:
+    Bearer KEY`` metadata), the same checks (``prepare``), the same admission slots
+    (RESOURCE_EXHAUSTED with a retry hint when full) and the same send timeout for a
+    client that stops reading its stream.
+    """
 
     def __init__(
-        self, orchestrator: Orchestrator, tokenizer: Tokenizer, limits: ModelLimits
+        self,
+        orchestrator: Orchestrator,
+        tokenizer: Tokenizer,
+        limits: ModelLimits,
+        admission: Admission | None = None,
+        api_key: str | None = None,
+        send_timeout_s: float = 30.0,
     ) -> None:
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.limits = limits
+        self.admission = admission or Admission(256, 512, 30.0)
+        self._expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.send_timeout_s = send_timeout_s
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GenerateResponse:
         """The whole output at once."""
+        prepared = await self._admit(request, context)
         try:
-            prepared = prepare(request, self.tokenizer, self.limits)
-            response = gateway_pb2.GenerateResponse(request_id=prepared.request_id)
+            response = gateway_pb2.GenerateResponse(request_id=prepared.reply_id)
             texts = []
             async with aclosing(generate(self.orchestrator, self.tokenizer, prepared)) as chunks:
                 async for chunk in chunks:
@@ -63,6 +81,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     response.usage.CopyFrom(chunk.usage)
         except REQUEST_ERRORS as error:
             await context.abort(*status_of(error))
+        finally:
+            self.admission.release()
         response.text = "".join(texts)
         return response
 
@@ -70,15 +90,101 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """The output as it is generated: new tokens and text per message."""
+        prepared = await self._admit(request, context)
         # context.write keeps a client's cancellation inside this frame, so leaving the
         # `async with` cancels the decode call at once.
+        stalled = False
         try:
-            prepared = prepare(request, self.tokenizer, self.limits)
             async with aclosing(generate(self.orchestrator, self.tokenizer, prepared)) as chunks:
                 async for chunk in chunks:
-                    await context.write(chunk)
+                    try:
+                        await asyncio.wait_for(context.write(chunk), self.send_timeout_s)
+                    except TimeoutError:
+                        stalled = True
+                        break
         except REQUEST_ERRORS as error:
             await context.abort(*status_of(error))
+        finally:
+            self.admission.release()
+        if stalled:
+            logger.warning(
+                "request %s: the client read nothing for %gs (--send-timeout); stream cancelled",
+                prepared.request_id,
+                self.send_timeout_s,
+            )
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the stream was not read for {self.send_timeout_s:g}s (--send-timeout)",
+            )
+
+    async def authorize(self, context: grpc.aio.ServicerContext) -> None:
+        """Abort the call with UNAUTHENTICATED unless it carries the API key (when one is set)."""
+        if self._expected is None:
+            return
+        given = dict(context.invocation_metadata()).get("authorization", "").strip()
+        if not hmac.compare_digest(given.encode(), self._expected):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "Incorrect API key provided."
+                if given
+                else "Missing API key: send the metadata 'authorization: Bearer <key>' "
+                "with the key the gateway was started with (--api-key).",
+            )
+
+    async def _admit(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> PreparedRequest:
+        """The request checked and holding an admission slot (the caller releases it), or
+        the call aborted: UNAUTHENTICATED, INVALID_ARGUMENT or RESOURCE_EXHAUSTED."""
+        await self.authorize(context)
+        try:
+            # Tokenizing and chat templating are CPU work: off the loop.
+            prepared = await asyncio.to_thread(prepare, request, self.tokenizer, self.limits)
+        except InvalidRequest as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            await self.admission.acquire()
+        except Overloaded as error:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                str(error),
+                trailing_metadata=(
+                    ("retry-after", str(RETRY_AFTER_S)),
+                    ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)),
+                ),
+            )
+        return prepared
+
+
+def add_gateway_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
+    """The Gateway service, its requests parsed here: a message that is not a
+    GenerateRequest gets INVALID_ARGUMENT (grpc's own parsing would answer INTERNAL)."""
+
+    async def generate(data: bytes, context: grpc.aio.ServicerContext):
+        await servicer.authorize(context)  # before anything of the message is read
+        return await servicer.Generate(await _parse(data, context), context)
+
+    async def generate_stream(data: bytes, context: grpc.aio.ServicerContext) -> None:
+        await servicer.authorize(context)
+        await servicer.GenerateStream(await _parse(data, context), context)
+
+    serialize = gateway_pb2.GenerateResponse.SerializeToString
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(generate, response_serializer=serialize),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            generate_stream, response_serializer=serialize
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+async def _parse(data: bytes, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateRequest:
+    try:
+        return gateway_pb2.GenerateRequest.FromString(data)
+    except DecodeError as error:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the message is not a GenerateRequest: {error}"
+        )
 
 
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -103,6 +209,10 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         max_model_len=config.max_model_len(settings.max_model_len),
         vocab_size=config.vocab_size,
         max_tokens_default=settings.max_tokens_default,
+        max_n=settings.max_n,
+        max_stop=settings.max_stop,
+        max_stop_chars=settings.max_stop_chars,
+        max_logprobs=settings.max_logprobs,
     )
     logger.info("model %s; limits %s", path, limits)
     tokenizer = Tokenizer.from_dir(path)
@@ -114,15 +224,27 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         local_prefill_threshold=settings.routing.local_prefill_threshold,
     )
     resources.push_async_callback(orchestrator.close)
+    # One gateway, one capacity: REST and gRPC requests take slots from the same bounds.
+    admission = Admission(
+        settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout
+    )
     http = None
     if settings.http_port >= 0:
-        http = await _start_http(settings, orchestrator, tokenizer, limits, path.name)
+        http = await _start_http(settings, orchestrator, tokenizer, limits, path.name, admission)
         resources.push_async_callback(http.stop)
-    servicer = GatewayServicer(orchestrator, tokenizer, limits)
+    servicer = GatewayServicer(
+        orchestrator,
+        tokenizer,
+        limits,
+        admission=admission,
+        api_key=settings.api_key,
+        send_timeout_s=settings.send_timeout,
+    )
     server, port = await start_server(
         host_port(settings.server.host, settings.server.port),
-        [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
+        [lambda s: add_gateway_to_server(servicer, s)],
         [SERVICE_NAME],
+        max_receive_bytes=settings.max_body_bytes,
     )
     resources.push_async_callback(server.stop, None)
     serving = Serving(server, port)
@@ -138,6 +260,7 @@ async def _start_http(
     tokenizer: Tokenizer,
     limits: ModelLimits,
     model_dir_name: str,
+    admission: Admission,
 ) -> HttpServer:
     """The OpenAI REST API on --http-port, with its guards."""
 
@@ -148,9 +271,8 @@ async def _start_http(
         settings.served_model_name or model_dir_name,
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
-        admission=Admission(
-            settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout
-        ),
+        admission=admission,
+        send_timeout_s=settings.send_timeout,
     )
     return await HttpServer.start(
         create_app(served), settings.server.host, settings.http_port, settings.server.drain_timeout

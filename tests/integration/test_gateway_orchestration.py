@@ -334,9 +334,10 @@ async def test_unary_returns_all_tokens_and_text(tokenizer):
     assert response.usage == common_pb2.Usage(
         prompt_tokens=3, completion_tokens=len(ids), cached_prompt_tokens=32
     )
-    # Unset proto3 values reach the workers resolved.
+    # Unset proto3 values reach the workers resolved; an unset max_tokens is the default
+    # (256) or, as here, what room the context leaves (64 - 3 prompt tokens).
     sent = log[0][1].params
-    assert (sent.max_tokens, sent.top_p, sent.top_k, sent.temperature) == (256, 1.0, -1, 0.0)
+    assert (sent.max_tokens, sent.top_p, sent.top_k, sent.temperature) == (61, 1.0, -1, 0.0)
     assert not sent.HasField("seed") and not sent.HasField("logprobs")
 
 

@@ -272,15 +272,19 @@ def test_bad_requests_get_openai_errors(http):
     assert unknown["code"] == "model_not_found" and "gpt-4" in unknown["message"]
 
 
-def test_request_id_is_echoed(http):
-    response = http.post(
-        "/v1/completions",
-        json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2},
-        headers={"x-request-id": "my-id-1"},
+def test_the_clients_request_id_is_echoed_and_the_gateways_own_is_used(http):
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    first, second = (
+        http.post("/v1/completions", json=body, headers={"x-request-id": "my-id-1"})
+        for _ in range(2)
     )
-    assert response.status_code == 200
-    assert response.headers["x-request-id"] == "my-id-1"
-    assert response.json()["id"] == "cmpl-my-id-1"
+    for response in (first, second):
+        assert response.status_code == 200
+        assert response.headers["x-request-id"] == "my-id-1"
+    ids = {first.json()["id"], second.json()["id"]}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") and "my-id-1" not in i for i in ids)
+    anonymous = http.post("/v1/completions", json=body)
+    assert anonymous.json()["id"] == f"cmpl-{anonymous.headers['x-request-id']}"
     assert http.get("/health").headers["x-request-id"]
 
 

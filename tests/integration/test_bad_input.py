@@ -1,0 +1,320 @@
+"""Bad input on both fronts of a real gateway (over a decode worker, tiny model): malformed,
+wrong types, out of range, oversized, huge lists, unknown model, wrong key. Each gets a 4xx
+in OpenAI's shape (REST) or the matching status (gRPC) within a second, and the gateway
+serves a good request right after."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+
+from services.common.grpc_utils import aio_channel
+from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.cluster import Cluster
+
+ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
+MODEL = "tiny"
+KEY = "sekret-key"
+MAX_MODEL_LEN = 128
+MAX_BODY = 256 * 1024
+ANSWER_S = 1.0  # every refusal comes within this (a deadline, not a benchmark)
+
+LIMITS = [
+    "--max-body-bytes",
+    str(MAX_BODY),
+    "--max-n",
+    "4",
+    "--max-stop",
+    "4",
+    "--max-stop-chars",
+    "64",
+    "--max-logprobs",
+    "5",
+]
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_chat_llama_path, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("bad-input-logs"))
+    model = ["--model", str(tiny_chat_llama_path)]
+    try:
+        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        gw = c.start(
+            "gateway",
+            "services.gateway",
+            "--decode",
+            dec.address,
+            "--disaggregation",
+            "off",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--served-model-name",
+            MODEL,
+            "--api-key",
+            KEY,
+            *LIMITS,
+            *model,
+        )
+        c.http = f"http://{gw.addresses['gateway-http']}"
+        c.grpc = gw.address
+        yield c
+    finally:
+        c.stop_all()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TEXT = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4}
+
+
+def chat(**change) -> dict:
+    return {**CHAT, **change}
+
+
+def text(**change) -> dict:
+    return {**TEXT, **change}
+
+
+# (name, path, body as JSON or raw bytes, headers, status, a word the message must contain)
+REST_CASES = [
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "tiny", "messages": [', AUTH, 400, ""),
+    ("not an object", "/v1/completions", b"[1, 2, 3]", AUTH, 400, ""),
+    ("empty body", "/v1/completions", b"", AUTH, 400, ""),
+    (
+        "max_tokens a string",
+        "/v1/chat/completions",
+        chat(max_tokens="ten"),
+        AUTH,
+        400,
+        "max_tokens",
+    ),
+    ("messages a string", "/v1/chat/completions", chat(messages="hi"), AUTH, 400, "messages"),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        chat(messages=[{"role": "x", "content": "a"}]),
+        AUTH,
+        400,
+        "role",
+    ),
+    ("temperature a string", "/v1/completions", text(temperature="hot"), AUTH, 400, "temperature"),
+    ("negative temperature", "/v1/completions", text(temperature=-1), AUTH, 400, "temperature"),
+    (
+        "temperature NaN",
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
+        AUTH,
+        400,
+        "temperature",
+    ),
+    ("top_p above 1", "/v1/completions", text(top_p=2), AUTH, 400, "top_p"),
+    ("n zero", "/v1/completions", text(n=0), AUTH, 400, "n"),
+    ("n past --max-n", "/v1/completions", text(n=5), AUTH, 400, "n"),
+    ("negative seed", "/v1/completions", text(seed=-3), AUTH, 400, "seed"),
+    ("huge seed", "/v1/completions", text(seed=2**70), AUTH, 400, "seed"),
+    (
+        "top_logprobs past --max-logprobs",
+        "/v1/chat/completions",
+        chat(logprobs=True, top_logprobs=9),
+        AUTH,
+        400,
+        "logprobs",
+    ),
+    (
+        "max_tokens past the context",
+        "/v1/completions",
+        text(max_tokens=500),
+        AUTH,
+        400,
+        str(MAX_MODEL_LEN),
+    ),
+    (
+        "token id past the vocabulary",
+        "/v1/completions",
+        text(prompt=[5, 10**6]),
+        AUTH,
+        400,
+        "vocabulary",
+    ),
+    ("token id past uint32", "/v1/completions", text(prompt=[5, 2**40]), AUTH, 400, "range"),
+    ("negative token id", "/v1/completions", text(prompt=[-1]), AUTH, 400, "prompt"),
+    ("empty prompt", "/v1/completions", text(prompt=""), AUTH, 400, "empty"),
+    ("empty messages", "/v1/chat/completions", chat(messages=[]), AUTH, 400, "messages"),
+    ("too many stop strings", "/v1/completions", text(stop=["a"] * 50), AUTH, 400, "stop"),
+    ("a long stop string", "/v1/completions", text(stop="x" * 1000), AUTH, 400, "stop"),
+    (
+        "prompt ids past the context",
+        "/v1/completions",
+        text(prompt=[5] * 20_000),
+        AUTH,
+        400,
+        "prompt",
+    ),
+    (
+        "many messages past the context",
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": "a"}] * 3000),
+        AUTH,
+        400,
+        str(MAX_MODEL_LEN),
+    ),
+    (
+        "body past --max-body-bytes",
+        "/v1/completions",
+        text(prompt="a" * (MAX_BODY + 10)),
+        AUTH,
+        413,
+        "bytes",
+    ),
+    ("unknown model", "/v1/completions", text(model="gpt-4"), AUTH, 404, "gpt-4"),
+    ("no key", "/v1/completions", text(), {}, 401, "API key"),
+    ("wrong key", "/v1/completions", text(), {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("unknown route", "/v1/embeddings", text(), AUTH, 404, ""),
+]
+
+
+@pytest.fixture(scope="module")
+def http(gateway):
+    with httpx.Client(base_url=gateway.http, timeout=30) as client:
+        # The first request of a fresh process pays its lazy imports: not a refusal's time.
+        assert client.post("/v1/completions", json=TEXT, headers=AUTH).status_code == 200
+        yield client
+
+
+@pytest.mark.parametrize(
+    "path, payload, headers, status, word",
+    [c[1:] for c in REST_CASES],
+    ids=[c[0] for c in REST_CASES],
+)
+def test_rest_refuses_bad_input_in_openai_shape(http, path, payload, headers, status, word):
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json", **headers}
+    response = http.post(path, content=content, headers=headers, timeout=ANSWER_S)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert word in error["message"], error["message"]
+    good = http.post("/v1/completions", json=TEXT, headers=AUTH, timeout=30)
+    assert good.status_code == 200, good.text
+
+
+def ids(n: int) -> gateway_pb2.TokenIds:
+    return gateway_pb2.TokenIds(ids=[5] * n)
+
+
+def params(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=kw.pop("max_tokens", 4), **kw)
+
+
+def request(**kw) -> gateway_pb2.GenerateRequest:
+    kw.setdefault("prompt_token_ids", ids(3))
+    kw.setdefault("params", params())
+    return gateway_pb2.GenerateRequest(**kw)
+
+
+OK = (("authorization", f"Bearer {KEY}"),)
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+
+# (name, request or raw bytes, metadata, status, a word the details must contain)
+GRPC_CASES = [
+    ("malformed message", b"\xff\xff\xff\x0f\x01", OK, BAD, "GenerateRequest"),
+    ("no input", gateway_pb2.GenerateRequest(params=params()), OK, BAD, "input"),
+    ("empty prompt", request(prompt_token_ids=None, prompt=""), OK, BAD, "empty"),
+    (
+        "empty chat",
+        request(prompt_token_ids=None, messages=gateway_pb2.ChatMessages()),
+        OK,
+        BAD,
+        "messages",
+    ),
+    ("negative temperature", request(params=params(temperature=-1)), OK, BAD, "temperature"),
+    ("temperature NaN", request(params=params(temperature=float("nan"))), OK, BAD, "temperature"),
+    ("top_p above 1", request(params=params(top_p=2)), OK, BAD, "top_p"),
+    ("logprobs past --max-logprobs", request(params=params(logprobs=9)), OK, BAD, "logprobs"),
+    (
+        "max_tokens past the context",
+        request(params=params(max_tokens=500)),
+        OK,
+        BAD,
+        str(MAX_MODEL_LEN),
+    ),
+    (
+        "token id past the vocabulary",
+        request(prompt_token_ids=gateway_pb2.TokenIds(ids=[10**6])),
+        OK,
+        BAD,
+        "vocabulary",
+    ),
+    ("prompt ids past the context", request(prompt_token_ids=ids(20_000)), OK, BAD, "prompt"),
+    ("too many stop strings", request(stop=["a"] * 50), OK, BAD, "stop"),
+    ("a long stop string", request(stop=["x" * 1000]), OK, BAD, "stop"),
+    (
+        "too many stop token ids",
+        request(params=params(stop_token_ids=[1] * 50)),
+        OK,
+        BAD,
+        "stop_token_ids",
+    ),
+    (
+        "message past --max-body-bytes",
+        request(prompt_token_ids=None, prompt="a" * (MAX_BODY + 10)),
+        OK,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "",
+    ),
+    ("no key", request(), (), grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    (
+        "wrong key",
+        request(),
+        (("authorization", "Bearer nope"),),
+        grpc.StatusCode.UNAUTHENTICATED,
+        "API key",
+    ),
+]
+
+
+async def _call(address: str, payload, metadata, method: str):
+    async with aio_channel(address) as channel:
+        if isinstance(payload, bytes):
+            call = (
+                channel.unary_unary(f"/pdserve.v1.Gateway/{method}")
+                if method == "Generate"
+                else channel.unary_stream(f"/pdserve.v1.Gateway/{method}")
+            )
+        else:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            call = getattr(stub, method)
+        if method == "Generate":
+            return await call(payload, metadata=metadata, timeout=ANSWER_S)
+        return [m async for m in call(payload, metadata=metadata, timeout=ANSWER_S)]
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize(
+    "payload, metadata, code, word", [c[1:] for c in GRPC_CASES], ids=[c[0] for c in GRPC_CASES]
+)
+def test_grpc_refuses_bad_input_with_the_matching_status(
+    http, gateway, method, payload, metadata, code, word
+):
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        asyncio.run(_call(gateway.grpc, payload, metadata, method))
+    assert raised.value.code() == code, raised.value.details()
+    assert word in (raised.value.details() or ""), raised.value.details()
+    good = asyncio.run(_call(gateway.grpc, request(), OK, "Generate"))
+    assert good.finish_reason == "length" and len(good.token_ids) == 4
+
+
+def test_grpc_health_and_rest_health_stay_open_without_a_key(http, gateway):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def check():
+        async with aio_channel(gateway.grpc) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    assert asyncio.run(check()).status == 1  # SERVING
+    assert http.get("/health").status_code == 200

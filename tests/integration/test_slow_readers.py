@@ -1,0 +1,153 @@
+"""Clients that stop reading their streams, on a real gateway over a decode worker (tiny
+model): past ``--send-timeout`` their streams are cancelled and their admission slots
+freed, and the gateway answers other clients all along. REST (SSE) and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+
+import grpc
+import httpx
+import pytest
+
+from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.cluster import Cluster
+
+ENGINE = ["--dtype", "float32", "--num-kv-blocks", "8192", "--max-num-seqs", "128"]
+MODEL = "tiny"
+SEND_TIMEOUT_S = 5.0
+NUM_STALLED = 50
+FREED_WITHIN_S = 90.0  # a deadline for the slots to come back, not a benchmark
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_chat_llama_path, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("slow-reader-logs"))
+    model = ["--model", str(tiny_chat_llama_path)]
+    try:
+        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        gw = c.start(
+            "gateway",
+            "services.gateway",
+            "--decode",
+            dec.address,
+            "--disaggregation",
+            "off",
+            "--served-model-name",
+            MODEL,
+            "--send-timeout",
+            str(SEND_TIMEOUT_S),
+            "--max-concurrent-requests",
+            str(NUM_STALLED + 8),
+            *model,
+        )
+        c.http = gw.addresses["gateway-http"]
+        c.grpc = gw.address
+        yield c
+    finally:
+        c.stop_all()
+
+
+# Two choices of many tokens with top logprobs: some 600 kB of events, more than the
+# sockets' buffers hold (the gateway's send buffer, see services.gateway.http, and a small
+# receive buffer here).
+STALLING = {
+    "model": MODEL,
+    "prompt": [5, 6, 7, 8],
+    "max_tokens": 900,
+    "n": 2,
+    "ignore_eos": True,
+    "temperature": 0,
+    "logprobs": 5,
+    "stream": True,
+}
+
+
+def stalled_client(address: str) -> socket.socket:
+    """A connection that sends a streaming request and then never reads."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.connect((host, int(port)))
+    body = json.dumps(STALLING).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + body)
+    return sock
+
+
+def running(http: httpx.Client) -> int:
+    return _running_of(http.get("/metrics").text)
+
+
+def _running_of(metrics: str) -> int:
+    """The gateway's admission slots in use, from its /metrics."""
+    found = re.search(r"^pdserve:num_requests_running\{[^}]*\} (\d+)", metrics, re.M)
+    return int(found.group(1))
+
+
+def test_stalled_sse_readers_lose_their_slots_and_others_are_served(gateway):
+    with httpx.Client(base_url=f"http://{gateway.http}", timeout=30) as http:
+        sockets = [stalled_client(gateway.http) for _ in range(NUM_STALLED)]
+        try:
+            deadline = time.monotonic() + 30
+            while running(http) < NUM_STALLED and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert running(http) == NUM_STALLED
+            # Meanwhile others are answered.
+            served = 0
+            deadline = time.monotonic() + FREED_WITHIN_S
+            while running(http) > 0 and time.monotonic() < deadline:
+                body = {"model": MODEL, "prompt": [9, 10], "max_tokens": 4, "temperature": 0}
+                response = http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                served += 1
+                time.sleep(0.2)
+            # The stalled clients are still connected, reading nothing; their slots are free.
+            assert running(http) == 0
+            assert served >= 1
+        finally:
+            for sock in sockets:
+                sock.close()
+    log = next(s for s in gateway.services if s.name == "gateway").log_text()
+    assert log.count("the client read nothing") == NUM_STALLED
+    assert gateway.unhandled_errors() == []
+
+
+def test_a_stalled_grpc_reader_loses_its_slot(gateway):
+    request = gateway_pb2.GenerateRequest(
+        prompt_token_ids=gateway_pb2.TokenIds(ids=[5, 6, 7]),
+        params=common_pb2.SamplingParams(
+            max_tokens=900, temperature=0, ignore_eos=True, logprobs=5
+        ),
+    )
+    # A small, fixed flow-control window on the client: the server's writes soon wait.
+    options = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
+
+    async def scenario() -> tuple[int, int]:
+        async with (
+            grpc.aio.insecure_channel(gateway.grpc, options=options) as channel,
+            httpx.AsyncClient(base_url=f"http://{gateway.http}") as http,
+        ):
+            call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(request, timeout=120)
+            await call.read()  # started; from here on nothing is read
+            started = await arunning(http)
+            deadline = time.monotonic() + FREED_WITHIN_S
+            while (now := await arunning(http)) > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            call.cancel()
+            return started, now
+
+    assert asyncio.run(scenario()) == (1, 0)
+    log = next(s for s in gateway.services if s.name == "gateway").log_text()
+    assert log.count("the client read nothing") == NUM_STALLED + 1
+
+
+async def arunning(http: httpx.AsyncClient) -> int:
+    return _running_of((await http.get("/metrics")).text)
