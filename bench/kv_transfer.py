@@ -93,13 +93,17 @@ async def measure_transfer(
         for r in range(repeats):
             seconds, _ = await atimed(client.put_blocks(SMOLLM2_LAYOUT, blocks, timeout=timeout))
             put_s.append(seconds)
-            seconds, (found, missing) = await atimed(
+            seconds, fetched = await atimed(
                 client.get_blocks(SMOLLM2_LAYOUT, keys, timeout=timeout)
             )
             get_s.append(seconds)
-            if r == 0 and (missing or any(found[k] != d for k, d, _ in blocks)):
-                raise RuntimeError(f"get returned wrong blocks ({len(missing)} missing)")
-            del found
+            bad = fetched.missing or fetched.rejected
+            if r == 0 and (bad or any(fetched.found[k] != d for k, d, _ in blocks)):
+                raise RuntimeError(
+                    f"get returned wrong blocks ({len(fetched.missing)} missing, "
+                    f"{len(fetched.rejected)} rejected)"
+                )
+            del fetched
         stat = await client.stat(timeout=timeout)
     return {"put_s": put_s, "get_s": get_s, "evictions": stat.evictions}
 
@@ -166,12 +170,12 @@ def measure_ttft(address: str, prompt_lens: list[int], repeats: int, timeout: fl
             layout, [(b.key, b.data, b.num_tokens) for b in blocks], timeout=timeout
         )
         t3 = time.perf_counter()
-        fetched, missing = await client.get_blocks(layout, [b.key for b in blocks], timeout=timeout)
+        fetched = await client.get_blocks(layout, [b.key for b in blocks], timeout=timeout)
         t4 = time.perf_counter()
-        assert not missing
+        assert not fetched.missing and not fetched.rejected
         decode.pool.reset_prefix_cache()
         dseq = decode.add_imported_request(
-            prompt, SamplingParams(max_tokens=1), rid, seq.output_token_ids[0], None, fetched
+            prompt, SamplingParams(max_tokens=1), rid, seq.output_token_ids[0], None, fetched.found
         )
         t5 = time.perf_counter()
         assert dseq.num_imported_tokens == n

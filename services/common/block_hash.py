@@ -1,4 +1,5 @@
-"""Block identity shared by every process: the chained block hash and the model fingerprint.
+"""Block identity shared by every process: the chained block hash (over the model
+fingerprint of ``services.common.fingerprint``).
 
 The engine keys its prefix cache by these hashes, the kvstore stores blocks under them,
 and the gateway's router computes them for a prompt to ask which worker already holds
@@ -10,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -39,20 +39,3 @@ def prompt_block_hashes(
         parent = hash_block(parent, token_ids[start : start + block_size], model_fingerprint)
         hashes.append(parent)
     return hashes
-
-
-def model_fingerprint(path: Path) -> bytes:
-    """A cheap, stable identity of a checkpoint: its config and samples of its weight files.
-
-    Two processes serving the same files agree on it, so block hashes cross processes.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + size.to_bytes(8, "little"))
-        with open(f, "rb") as fh:
-            for k in range(16):
-                fh.seek(size * k // 16)
-                h.update(fh.read(65536))
-    return h.digest()

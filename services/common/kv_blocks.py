@@ -1,16 +1,24 @@
-"""KV blocks as they travel between processes: their layout, keys and payloads.
+"""KV blocks as they travel between processes: their layout, keys, payloads and checksums.
 
 Full blocks travel under their chained content hash; a prompt's partial tail block
 under ``tail/<request_id>``. Every block carries the layout of the engine that made
-it, and every receiver (a kvstore, a decode worker) refuses a layout that differs from
-its own with ``LayoutMismatch``, whose message names each differing field.
+it (its header) and a checksum of its key, token count and bytes. Every receiver (a
+kvstore, a decode worker) refuses a layout that differs from its own with
+``LayoutMismatch``, whose message names each differing field; a decode worker checks
+each block's header, length and checksum (``block_problem``) and recomputes a block
+that fails.
 """
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+import struct
+import zlib
+from dataclasses import astuple, dataclass, field, fields
 
-LAYOUT_VERSION = 1
+# 2: every block carries its own layout header and a CRC-32 checksum.
+LAYOUT_VERSION = 2
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,14 @@ class BlockLayout:
             for f, a, b in zip(fields(BlockLayout), astuple(self), astuple(other), strict=True)
             if a != b
         ]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: [layers, 2, kv_heads, block_size, head_dim] values of ``dtype``."""
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"KV blocks of dtype {self.dtype!r} are not supported")
+        values = self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
+        return values * DTYPE_BYTES[self.dtype]
 
 
 class LayoutMismatch(ValueError):
@@ -70,3 +86,60 @@ class ExportedBlock:
 def tail_key(request_id: str) -> bytes:
     """Key of a prompt's partial last block."""
     return b"tail/" + request_id.encode()
+
+
+def show_key(key: bytes) -> str:
+    """A block key for a log or an error: a tail key as text, a hash as hex."""
+    if key.startswith(b"tail/"):
+        return key.decode(errors="replace")
+    return key.hex()
+
+
+def block_checksum(key: bytes, num_tokens: int, data: bytes | memoryview) -> int:
+    """CRC-32 (``zlib.crc32``) of a block's key, token count and bytes: a block served under
+    another key, or with another count, fails it as a damaged one does."""
+    return zlib.crc32(data, zlib.crc32(struct.pack("<I", num_tokens), zlib.crc32(key)))
+
+
+def block_problem(
+    expected: BlockLayout,
+    key: bytes,
+    data: bytes,
+    num_tokens: int,
+    header: BlockLayout | None,
+    checksum: int | None,
+) -> str | None:
+    """Why a received block cannot be imported by an engine of layout ``expected`` (its
+    header, length or checksum is wrong), or None when it can."""
+    if header is None:
+        return "it carries no layout header"
+    if header != expected:
+        return (
+            "its layout header differs ("
+            + "; ".join(expected.differences(header, "ours", "block's"))
+            + ")"
+        )
+    if len(data) != expected.block_bytes:
+        return f"it has {len(data)} bytes, a block of this layout has {expected.block_bytes}"
+    if checksum is None:
+        return "it carries no checksum"
+    actual = block_checksum(key, num_tokens, data)
+    if actual != checksum:
+        return f"its checksum is {checksum:#010x}, its bytes give {actual:#010x}"
+    return None
+
+
+@dataclass(frozen=True)
+class FetchedBlocks:
+    """What a fetch of blocks brought: the sound blocks' bytes by key, the damaged ones (key
+    -> why, never imported: recomputed), and the keys the kvstore did not have."""
+
+    found: dict[bytes, bytes] = field(default_factory=dict)
+    rejected: dict[bytes, str] = field(default_factory=dict)
+    missing: list[bytes] = field(default_factory=list)
+
+    def merge(self, other: FetchedBlocks) -> None:
+        """Add ``other``'s blocks (a fetch from another replica) to these."""
+        self.found.update(other.found)
+        self.rejected.update(other.rejected)
+        self.missing.extend(other.missing)

@@ -10,9 +10,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
+from services.common.kv_blocks import FetchedBlocks, block_checksum, block_problem
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.registry import rendezvous_owner
 from services.common.registry_view import RegistryView
+from services.common.wire import layout_from_proto
 
 T = TypeVar("T")
 
@@ -43,17 +45,33 @@ def _check_timeout(timeout: float) -> None:
         raise ValueError(f"a kvstore call needs a positive timeout in seconds, got {timeout!r}")
 
 
+def block_checksums(blocks: Sequence[BlockIn]) -> list[int]:
+    """Each block's ``block_checksum``."""
+    return [block_checksum(k, n, d) for k, d, n in blocks]
+
+
 def put_requests(
-    layout: common_pb2.BlockLayout, blocks: Sequence[BlockIn]
+    layout: common_pb2.BlockLayout,
+    blocks: Sequence[BlockIn],
+    checksums: Sequence[int] | None = None,
 ) -> Iterator[kvstore_pb2.PutBlocksRequest]:
-    """PutBlocks messages of at most STREAM_CHUNK_BYTES of data each; the first carries the layout."""
+    """PutBlocks messages of at most STREAM_CHUNK_BYTES of data each; the first carries the
+    layout, every block its header (the layout) and its checksum (computed here unless given)."""
+    if checksums is None:
+        checksums = block_checksums(blocks)
     # protobuf takes bytes only: a memoryview costs one copy here.
-    as_bytes = ((k, d if isinstance(d, bytes) else bytes(d), n) for k, d, n in blocks)
+    as_bytes = (
+        (k, d if isinstance(d, bytes) else bytes(d), n, c)
+        for (k, d, n), c in zip(blocks, checksums, strict=True)
+    )
     # Only the first message carries the layout; with no blocks it still goes, alone.
     first = True
     for batch in batched_by_bytes(as_bytes, lambda b: len(b[1]), STREAM_CHUNK_BYTES):
         request = kvstore_pb2.PutBlocksRequest(
-            blocks=[common_pb2.Block(key=k, data=d, num_tokens=n) for k, d, n in batch]
+            blocks=[
+                common_pb2.Block(key=k, data=d, num_tokens=n, layout=layout, checksum=c)
+                for k, d, n, c in batch
+            ]
         )
         if first:
             request.layout.CopyFrom(layout)
@@ -76,23 +94,45 @@ class KVStoreClient:
     ) -> kvstore_pb2.PutBlocksResponse:
         """Store ``blocks`` (replacing blocks with the same key) under ``layout``."""
         _check_timeout(timeout)
-        return await self._stub.PutBlocks(put_requests(layout, blocks), timeout=timeout)
+        # Off the event loop (and any engine thread): zlib.crc32 releases the GIL.
+        checksums = await asyncio.to_thread(block_checksums, blocks)
+        return await self._stub.PutBlocks(put_requests(layout, blocks, checksums), timeout=timeout)
 
     async def get_blocks(
         self, layout: common_pb2.BlockLayout, keys: Sequence[bytes], timeout: float
-    ) -> tuple[dict[bytes, bytes], list[bytes]]:
-        """(data by key of the blocks found, keys the store does not have)."""
+    ) -> FetchedBlocks:
+        """The blocks under ``keys``: those whose header, length and checksum are those of a
+        sound block of ``layout``, those that are not (``rejected``, with why), and the keys
+        the store does not have."""
         _check_timeout(timeout)
-        found: dict[bytes, bytes] = {}
-        missing: list[bytes] = []
+        expected = layout_from_proto(layout)
+        fetched = FetchedBlocks()
         call = self._stub.GetBlocks(
             kvstore_pb2.GetBlocksRequest(layout=layout, keys=keys), timeout=timeout
         )
         async for response in call:
-            for block in response.blocks:
-                found[block.key] = block.data
-            missing.extend(response.missing)
-        return found, missing
+            # upb copies a bytes field on every access: each field is read once, here.
+            received = [
+                (
+                    b.key,
+                    b.data,
+                    b.num_tokens,
+                    layout_from_proto(b.layout) if b.HasField("layout") else None,
+                    b.checksum if b.HasField("checksum") else None,
+                )
+                for b in response.blocks
+            ]
+            # Checksums off the event loop, one message (a few MiB) at a time.
+            problems = await asyncio.to_thread(
+                lambda r=received: [block_problem(expected, *block) for block in r]
+            )
+            for (key, data, *_), problem in zip(received, problems, strict=True):
+                if problem is None:
+                    fetched.found[key] = data
+                else:
+                    fetched.rejected[key] = problem
+            fetched.missing.extend(response.missing)
+        return fetched
 
     async def stat(self, timeout: float) -> kvstore_pb2.StatResponse:
         """The store's counters."""

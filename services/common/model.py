@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.block_hash import model_fingerprint
+from services.common.fingerprint import model_fingerprint
 from services.common.settings import SettingsError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

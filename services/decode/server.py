@@ -1,8 +1,9 @@
 """The decode worker: a prefilled request in, a stream of tokens out.
 
 Blocks the worker's own prefix cache holds are not fetched; the rest come from the
-kvstore; a block the kvstore no longer has is recomputed here. Without a first token
-(colocated mode) the worker prefills the prompt itself.
+kvstore; a block the kvstore no longer has, or one whose header, length or checksum is
+wrong, is recomputed here. Without a first token (colocated mode) the worker prefills the
+prompt itself.
 
     pdserve decode --port 50081 [--redis-url URL]
 """
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from services.common.config import DecodeSettings
-from services.common.kv_blocks import LayoutMismatch
+from services.common.kv_blocks import FetchedBlocks, LayoutMismatch, show_key
 from services.common.kv_client import KVStoreClient
 from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.common.service import Serving, run_service
@@ -58,8 +59,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         clients, self._kvstores = list(self._kvstores.values()), {}
         await asyncio.gather(*(c.close() for c in clients))
 
-    async def _fetch(self, keys: list[bytes], addresses: list[str]) -> dict[bytes, bytes]:
-        """The blocks under ``keys`` from their kvstores (each replica in parallel)."""
+    async def _fetch(self, keys: list[bytes], addresses: list[str]) -> FetchedBlocks:
+        """The blocks under ``keys`` from their kvstores (each replica in parallel), each
+        checked against this worker's layout and its checksum."""
         by_address: dict[str, list[bytes]] = {}
         for key, address in zip(keys, addresses, strict=True):
             by_address.setdefault(address, []).append(key)
@@ -72,15 +74,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             ),
             return_exceptions=True,
         )
-        blocks: dict[bytes, bytes] = {}
+        fetched = FetchedBlocks()
         for address, result in zip(by_address, results, strict=True):
             if isinstance(result, grpc.aio.AioRpcError) and result.code() in _RECOMPUTE_ON:
                 logger.warning("kvstore %s: %s; recomputing its blocks", address, result.code())
                 continue
             if isinstance(result, BaseException):
                 raise result
-            blocks.update(result[0])
-        return blocks
+            if result.rejected:
+                key, why = next(iter(result.rejected.items()))
+                logger.warning(
+                    "kvstore %s: %d blocks refused (the first, %s: %s); recomputing them",
+                    address,
+                    len(result.rejected),
+                    show_key(key),
+                    why,
+                )
+            fetched.merge(result)
+        return fetched
 
     async def _handover(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -108,9 +119,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 f"block_kvstore_addresses has {len(addresses)} entries for {len(keys)} blocks",
             )
 
-        async def fetch(num_local: int) -> dict[bytes, bytes]:
+        async def fetch(num_local: int) -> FetchedBlocks:
             if not request.kvstore_address and not request.block_kvstore_addresses:
-                return {}
+                return FetchedBlocks()
             return await self._fetch(keys[num_local:], addresses[num_local:])
 
         first_logprob = (
@@ -156,6 +167,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             prefix_cache_queries=s.prefix_cache_queries,
             kv_blocks_imported=s.num_imported_blocks,
             kv_bytes_imported=s.num_imported_bytes,
+            kv_blocks_rejected=s.num_rejected_blocks,
         )
 
 

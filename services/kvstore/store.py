@@ -15,6 +15,7 @@ from services.common.kv_blocks import BlockLayout, LayoutMismatch
 class StoredBlock(NamedTuple):
     data: bytes
     num_tokens: int
+    checksum: int | None = None  # the sender's block_checksum, served back unchecked
 
 
 class BlockStore:
@@ -62,7 +63,14 @@ class BlockStore:
                 "request",
             )
 
-    def put(self, layout: BlockLayout, key: bytes, data: bytes, num_tokens: int) -> None:
+    def put(
+        self,
+        layout: BlockLayout,
+        key: bytes,
+        data: bytes,
+        num_tokens: int,
+        checksum: int | None = None,
+    ) -> None:
         """Store (or replace) a block as most recently used, evicting LRU blocks to fit."""
         self.check_layout(layout)
         if not key:
@@ -80,7 +88,7 @@ class BlockStore:
             _, evicted = self._blocks.popitem(last=False)
             self.bytes_used -= len(evicted.data)
             self.evictions += 1
-        self._blocks[key] = StoredBlock(data, num_tokens)
+        self._blocks[key] = StoredBlock(data, num_tokens, checksum)
         self.bytes_used += len(data)
         self.bytes_in += len(data)
         self.blocks_in += 1

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from services.common.block_hash import model_fingerprint, prompt_block_hashes
+from services.common.block_hash import prompt_block_hashes
+from services.common.fingerprint import model_fingerprint
 from services.common.grpc_utils import aio_channel
 from services.common.pb import (
     common_pb2,

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from services.common.kv_blocks import FetchedBlocks
 from services.engine import LLM, SamplingParams
 from services.engine.async_engine import AsyncEngine, Handover
 from services.engine.sequence import PREFILLED
@@ -67,9 +68,9 @@ async def test_a_handover_fetches_past_the_local_prefix_and_streams_after_the_fi
     engine = AsyncEngine(decode.engine)
     asked = []
 
-    async def fetch(num_local: int) -> dict[bytes, bytes]:
+    async def fetch(num_local: int) -> FetchedBlocks:
         asked.append(num_local)
-        return {k: exported[k] for k in keys[num_local:]}
+        return FetchedBlocks({k: exported[k] for k in keys[num_local:]})
 
     try:
         handover = Handover(want.token_ids[0], None, fetch)
@@ -90,10 +91,10 @@ async def test_an_abort_while_fetching_frees_the_held_prefix(llms):
     engine = AsyncEngine(decode.engine)
     fetching = asyncio.Event()
 
-    async def fetch(num_local: int) -> dict[bytes, bytes]:
+    async def fetch(num_local: int) -> FetchedBlocks:
         fetching.set()
         await asyncio.sleep(60)
-        return {}
+        return FetchedBlocks()
 
     async def consume() -> None:
         handover = Handover(1, None, fetch)

@@ -113,3 +113,50 @@ def test_seeded_sampling_continues_identically_across_the_split(engines):
         decode.engine.step()
     assert out.output_token_ids == want.token_ids
     assert len(set(want.token_ids)) > 5  # really sampled
+
+
+def test_a_block_of_the_wrong_length_is_recomputed_and_counted(engines):
+    colocated, prefill, decode = engines
+    prompt = list(range(200, 250))  # 3 full blocks and a tail of 2
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    (want,) = colocated.generate([prompt], params)
+    first, blocks = _prefill(prefill, prompt, "short-1")
+    fetched = {b.key: bytes(b.data) for b in blocks}
+    fetched[blocks[1].key] = fetched[blocks[1].key][:-4]
+    decode.engine.pool.reset_prefix_cache()
+    before = decode.stats()
+    seq = _decode(decode, prompt, "short-1", first, fetched, 12)
+    after = decode.stats()
+    assert seq.output_token_ids == want.token_ids
+    assert seq.num_imported_tokens == 16  # the block before it; the rest is recomputed
+    assert after.num_rejected_blocks - before.num_rejected_blocks == 1
+    assert after.num_imported_blocks - before.num_imported_blocks == 1
+    assert after.num_free_blocks == after.num_total_blocks
+    decode.check_integrity()
+
+
+def test_an_import_that_fails_half_way_frees_what_it_took(engines, monkeypatch):
+    _, prefill, decode = engines
+    prompt = list(range(300, 370))  # 4 full blocks and a tail
+    first, blocks = _prefill(prefill, prompt, "half-1")
+    decode.generate([prompt[:32] + [7]], SamplingParams(max_tokens=1))  # 2 blocks to hold
+    eng = decode.engine
+    written = []
+    real_write = eng.runner.write_block
+
+    def write(block_id, data):
+        if len(written) == 2:
+            raise RuntimeError("device error")
+        written.append(block_id)
+        real_write(block_id, data)
+
+    monkeypatch.setattr(eng.runner, "write_block", write)
+    start = eng.stats().num_free_blocks
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert eng.begin_import(prompt, params, "half-1", first, None) == 2
+    with pytest.raises(RuntimeError, match="device error"):
+        eng.finish_import("half-1", {b.key: b.data for b in blocks})
+    assert len(written) == 2
+    assert eng.stats().num_free_blocks == start
+    assert not eng.has_unfinished()
+    decode.check_integrity()

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
+from services.common.kv_blocks import block_checksum
 from services.common.kv_client import KVStoreClient, put_requests
 from services.common.launcher import Child, Launcher
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
@@ -93,9 +94,9 @@ async def test_round_trip_of_12_MiB_in_several_messages(client, stub):
     assert (response.num_stored, response.bytes_stored) == (12, 12 * MiB)
 
     keys = [key for key, _, _ in sent]
-    found, missing = await client.get_blocks(LAYOUT, [*keys, b"trip/none"], timeout=TIMEOUT)
-    assert found == {key: data for key, data, _ in sent}
-    assert missing == [b"trip/none"]
+    fetched = await client.get_blocks(LAYOUT, [*keys, b"trip/none"], timeout=TIMEOUT)
+    assert fetched.found == {key: data for key, data, _ in sent}
+    assert fetched.missing == [b"trip/none"] and fetched.rejected == {}
 
     # On the wire: three messages of 4 MiB of data; `missing` only in the last.
     call = stub.GetBlocks(
@@ -105,11 +106,16 @@ async def test_round_trip_of_12_MiB_in_several_messages(client, stub):
     assert [len(r.blocks) for r in responses] == [4, 4, 4]
     assert [list(r.missing) for r in responses] == [[], [], [b"trip/none"]]
     assert [b.num_tokens for r in responses for b in r.blocks] == [16] * 12
+    # Each block carries its header and its checksum back.
+    assert all(b.layout == LAYOUT for r in responses for b in r.blocks)
+    assert [b.checksum for r in responses for b in r.blocks] == [
+        block_checksum(k, n, d) for k, d, n in sent
+    ]
 
 
 async def test_get_of_only_missing_keys_still_answers_one_message(client, stub):
-    found, missing = await client.get_blocks(LAYOUT, [b"gone/1", b"gone/2"], timeout=TIMEOUT)
-    assert (found, missing) == ({}, [b"gone/1", b"gone/2"])
+    fetched = await client.get_blocks(LAYOUT, [b"gone/1", b"gone/2"], timeout=TIMEOUT)
+    assert (fetched.found, fetched.missing) == ({}, [b"gone/1", b"gone/2"])
     call = stub.GetBlocks(kvstore_pb2.GetBlocksRequest(layout=LAYOUT), timeout=TIMEOUT)
     assert [(list(r.blocks), list(r.missing)) async for r in call] == [([], [])]
 
@@ -120,8 +126,8 @@ async def test_lru_eviction_under_capacity_seen_through_stat_and_get(client):
     before = await client.stat(timeout=TIMEOUT)
     assert (before.num_blocks, before.bytes_used, before.capacity_bytes) == (n, CAPACITY, CAPACITY)
 
-    found, _ = await client.get_blocks(LAYOUT, [b"lru/0"], timeout=TIMEOUT)  # now most recent
-    assert list(found) == [b"lru/0"]
+    fetched = await client.get_blocks(LAYOUT, [b"lru/0"], timeout=TIMEOUT)  # now most recent
+    assert list(fetched.found) == [b"lru/0"]
     await client.put_blocks(LAYOUT, blocks("lru-new", 1), timeout=TIMEOUT)  # evicts lru/1
 
     after = await client.stat(timeout=TIMEOUT)
@@ -129,11 +135,11 @@ async def test_lru_eviction_under_capacity_seen_through_stat_and_get(client):
     assert (after.num_blocks, after.bytes_used) == (n, CAPACITY)
     assert after.bytes_in - before.bytes_in == MiB
     assert (after.hits - before.hits, after.bytes_out - before.bytes_out) == (1, MiB)
-    found, missing = await client.get_blocks(
+    fetched = await client.get_blocks(
         LAYOUT, [b"lru/0", b"lru/1", b"lru/2", b"lru-new/0"], timeout=TIMEOUT
     )
-    assert sorted(found) == [b"lru-new/0", b"lru/0", b"lru/2"]
-    assert missing == [b"lru/1"]
+    assert sorted(fetched.found) == [b"lru-new/0", b"lru/0", b"lru/2"]
+    assert fetched.missing == [b"lru/1"]
 
 
 # -- refusals -----------------------------------------------------------------------------
@@ -151,8 +157,8 @@ async def test_layout_mismatch_fails_put_and_get_with_the_differing_fields(clien
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "dtype: store float32, request bfloat16" in error.details()
         assert "block_size: store 16, request 32" in error.details()
-    _, missing = await client.get_blocks(LAYOUT, [b"wrong/0"], timeout=TIMEOUT)
-    assert missing == [b"wrong/0"]
+    fetched = await client.get_blocks(LAYOUT, [b"wrong/0"], timeout=TIMEOUT)
+    assert fetched.missing == [b"wrong/0"]
 
 
 async def test_first_put_message_without_layout_is_invalid(stub):
@@ -172,6 +178,50 @@ async def test_layout_changing_within_one_put_stream_is_invalid(stub):
         await stub.PutBlocks(iter(requests), timeout=TIMEOUT)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "head_dim: first message 64, this message 128" in error.value.details()
+
+
+async def test_a_block_without_its_header_or_checksum_or_of_another_layout_is_invalid(stub):
+    data = bytes(MiB)
+    sound = common_pb2.Block(
+        key=b"h/0",
+        data=data,
+        num_tokens=16,
+        layout=LAYOUT,
+        checksum=block_checksum(b"h/0", 16, data),
+    )
+    bare = common_pb2.Block(key=b"h/1", data=data, num_tokens=16)
+    no_checksum = common_pb2.Block(key=b"h/2", data=data, num_tokens=16, layout=LAYOUT)
+    other = common_pb2.Block()
+    other.CopyFrom(sound)
+    other.layout.CopyFrom(other_layout(num_layers=16))
+    for block, message in [
+        (bare, "carries no layout header or no checksum"),
+        (no_checksum, "carries no layout header or no checksum"),
+        (other, "has another layout than its stream: num_layers: stream 32, block 16"),
+    ]:
+        request = kvstore_pb2.PutBlocksRequest(layout=LAYOUT, blocks=[sound, block])
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.PutBlocks(iter([request]), timeout=TIMEOUT)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.value.details()
+
+
+async def test_a_damaged_block_comes_back_rejected_with_why(client, stub):
+    """The kvstore keeps a block's checksum as it came; the client checks it on the way out."""
+    data = bytes([7]) * MiB
+    good = block_checksum(b"dmg/0", 16, data)
+    damaged = [
+        common_pb2.Block(key=b"dmg/0", data=data, num_tokens=16, layout=LAYOUT, checksum=good),
+        common_pb2.Block(key=b"dmg/1", data=data, num_tokens=16, layout=LAYOUT, checksum=good),
+        common_pb2.Block(key=b"dmg/2", data=data[:-1], num_tokens=16, layout=LAYOUT, checksum=good),
+    ]
+    await stub.PutBlocks(
+        iter([kvstore_pb2.PutBlocksRequest(layout=LAYOUT, blocks=damaged)]), timeout=TIMEOUT
+    )
+    fetched = await client.get_blocks(LAYOUT, [b"dmg/0", b"dmg/1", b"dmg/2"], timeout=TIMEOUT)
+    assert list(fetched.found) == [b"dmg/0"]
+    assert "checksum" in fetched.rejected[b"dmg/1"]  # another key: another checksum
+    assert "has 1048575 bytes" in fetched.rejected[b"dmg/2"]
 
 
 async def test_block_larger_than_the_capacity_is_invalid(client):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.common import model
+from services.common.fingerprint import FINGERPRINT_FILE, compute_fingerprint, model_fingerprint
 from services.engine import prepare_model as pm
 
 EXPECTED_FILES = [
@@ -19,6 +20,7 @@ EXPECTED_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
+    FINGERPRINT_FILE,
     pm.COMPLETE_MARKER,
 ]
 
@@ -157,6 +159,8 @@ def test_conversion_writes_a_complete_checkpoint(converted, monkeypatch):
     im_end = next(t["id"] for t in tokenizer_json["added_tokens"] if t["content"] == "<|im_end|>")
     assert config["eos_token_id"] == generation["eos_token_id"] == im_end
     assert "<|im_end|>" in (converted / "chat_template.jinja").read_text()
+    # The fingerprint over all weights is stored, and what a load reads back.
+    assert model_fingerprint(converted) == compute_fingerprint(converted)
 
     # A second call finds the marker and returns at once, rewriting nothing.
     mtimes = {name: (converted / name).stat().st_mtime_ns for name in EXPECTED_FILES}

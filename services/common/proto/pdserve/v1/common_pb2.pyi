@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -82,11 +82,15 @@ class BlockLayout(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("key", "data", "num_tokens")
+    __slots__ = ("key", "data", "num_tokens", "layout", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     data: bytes
     num_tokens: int
-    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    layout: BlockLayout
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
