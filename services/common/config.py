@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from services.common.redaction import redact_url
 from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.common.settings import SettingsError, check, setting
 from services.common.sizes import parse_size
@@ -77,6 +78,10 @@ class RedisSettings:
 
     def __post_init__(self) -> None:
         check(bool(self.redis_prefix), "--redis-prefix must not be empty")
+
+    def __repr__(self) -> str:  # a URL's password stays out of the settings logged at start
+        url = redact_url(self.redis_url)
+        return f"RedisSettings(redis_url={url!r}, redis_prefix={self.redis_prefix!r})"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from services.common.config import GatewaySettings
 from services.common.grpc_utils import host_port, start_server
 from services.common.model import ModelConfig, locate_model
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
+from services.common.redaction import redact_url
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
 from services.common.tokenizer import Tokenizer
@@ -172,7 +173,7 @@ async def _router(
     resources.push_async_callback(view.close)
     logger.info(
         "registry at %s: %d workers (%s)",
-        redis.redis_url,
+        redact_url(redis.redis_url),
         len(view.workers()),
         "reachable" if view.redis_ok else "unreachable for now",
     )
