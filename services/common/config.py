@@ -102,6 +102,79 @@ class RegistrySettings:
         check(self.registry_ttl > 0, f"--registry-ttl must be positive, got {self.registry_ttl}")
 
 
+MIN_TOKEN_CHARS = 16
+
+
+@dataclass(frozen=True)
+class InternalSecuritySettings:
+    """The trust between a cluster's services: a shared token, and TLS (docs/security.md)."""
+
+    GROUP: ClassVar[str] = "internal security"
+
+    internal_token: str | None = setting(
+        None,
+        "the cluster's shared secret: prefill and decode workers and kvstores refuse calls "
+        "without it (UNAUTHENTICATED), and every pdserve service sends it to them; give it by "
+        "the variable or --internal-token-file (a flag's value is visible to every user of "
+        "the machine); unset: internal calls are not checked",
+        secret=True,
+    )
+    internal_token_file: str | None = setting(
+        None, "a file whose first line is the internal token (instead of --internal-token)"
+    )
+    tls_cert: str | None = setting(
+        None,
+        "PEM certificate chain of this service: its gRPC port serves TLS only, and it presents "
+        "this certificate to services that ask for one (mutual TLS); needs --tls-key",
+    )
+    tls_key: str | None = setting(None, "PEM private key (unencrypted) of --tls-cert")
+    tls_ca: str | None = setting(
+        None,
+        "PEM CA certificates that signed the services' certificates: calls to other pdserve "
+        "services use TLS, verified against them; without it, a service with --tls-cert "
+        "verifies against the system's CAs",
+    )
+    tls_client_ca: str | None = setting(
+        None,
+        "mutual TLS: accept only clients presenting a certificate signed by these PEM CA "
+        "certificates; needs --tls-cert",
+    )
+    tls_server_name: str | None = setting(
+        None,
+        "the name the services' certificates are issued to, when it is not the host dialled "
+        "(e.g. pods dialled by IP); default: each address's host",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            not (self.internal_token and self.internal_token_file),
+            "pass the internal token once: --internal-token (PDSERVE_INTERNAL_TOKEN) or "
+            "--internal-token-file, not both",
+        )
+        check(
+            self.internal_token is None or len(self.internal_token.strip()) >= MIN_TOKEN_CHARS,
+            f"--internal-token must have at least {MIN_TOKEN_CHARS} characters; make one with "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+        )
+        check(
+            bool(self.tls_cert) == bool(self.tls_key),
+            "--tls-cert and --tls-key go together: pass both, or neither for plaintext",
+        )
+        check(
+            not self.tls_client_ca or bool(self.tls_cert),
+            "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key",
+        )
+        check(
+            not self.tls_server_name or bool(self.tls_cert or self.tls_ca),
+            "--tls-server-name applies to TLS only: pass --tls-ca (or --tls-cert) too",
+        )
+
+    @property
+    def dials_tls(self) -> bool:
+        """Whether calls to other services use TLS."""
+        return bool(self.tls_cert or self.tls_ca)
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything that shapes an engine (each field is a flag, e.g. ``--max-num-seqs``)."""
@@ -199,6 +272,7 @@ class PrefillSettings:
     )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
@@ -220,6 +294,7 @@ class DecodeSettings:
     server: ServerSettings = server(50081)
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
 
@@ -234,6 +309,7 @@ class KVStoreSettings:
         "2GiB", "memory for blocks, e.g. 512MiB or 2GiB; least recently used out first"
     )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
@@ -329,6 +405,7 @@ class GatewaySettings:
     queue_timeout: float = setting(30.0, "seconds a queued REST request waits before a 429")
     routing: RoutingSettings = setting(default_factory=RoutingSettings)
     redis: RedisSettings = setting(default_factory=RedisSettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:

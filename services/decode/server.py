@@ -22,6 +22,7 @@ from services.common.kv_blocks import LayoutMismatch
 from services.common.kv_client import KVStoreClient
 from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.common.service import Serving, run_service
+from services.common.trust import Trust, load_trust
 from services.common.wire import (
     layout_from_proto,
     layout_to_proto,
@@ -42,16 +43,19 @@ _RECOMPUTE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Generates the tokens after a prefill worker's first one (or all, colocated)."""
 
-    def __init__(self, engine: AsyncEngine, fetch_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, engine: AsyncEngine, trust: Trust | None = None, fetch_timeout_s: float = 30.0
+    ) -> None:
         self.engine = engine
         self.layout = engine.info.layout
         self.layout_proto = layout_to_proto(self.layout)
+        self.trust = trust
         self.fetch_timeout_s = fetch_timeout_s
         self._kvstores: dict[str, KVStoreClient] = {}
 
     def _kvstore(self, address: str) -> KVStoreClient:
         if address not in self._kvstores:
-            self._kvstores[address] = KVStoreClient(address)
+            self._kvstores[address] = KVStoreClient(address, self.trust)
         return self._kvstores[address]
 
     async def close(self) -> None:
@@ -163,8 +167,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """Load the engine and serve it."""
+    trust = load_trust(settings.security)  # a bad file stops the start before the model loads
     engine = start_engine(settings, resources)
-    servicer = DecodeServicer(engine)
+    servicer = DecodeServicer(engine, trust)
     resources.push_async_callback(servicer.close)
     return await serve_engine(
         settings,
@@ -173,6 +178,7 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         engine,
         lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
         SERVICE_NAME,
+        trust,
     )
 
 

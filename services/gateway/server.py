@@ -24,6 +24,7 @@ from services.common.redaction import redact_url
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
 from services.common.tokenizer import Tokenizer
+from services.common.trust import load_trust
 from services.gateway.admission import Admission
 from services.gateway.generation import REQUEST_ERRORS, generate
 from services.gateway.http import HttpServer
@@ -98,6 +99,7 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
 async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack) -> Serving:
     """The model's tokenizer and limits, the router over the pools, then the REST socket (a
     taken port stops the start before anything else) and the gRPC server."""
+    trust = load_trust(settings.security)
     path = locate_model(settings.model)
     config = ModelConfig.from_dir(path)
     limits = ModelLimits(
@@ -113,6 +115,7 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         prefill_timeout_s=settings.prefill_timeout,
         decode_timeout_s=settings.decode_timeout,
         local_prefill_threshold=settings.routing.local_prefill_threshold,
+        trust=trust,
     )
     resources.push_async_callback(orchestrator.close)
     http = None
@@ -124,7 +127,10 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         host_port(settings.server.host, settings.server.port),
         [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
         [SERVICE_NAME],
+        # The public front: TLS as configured; its door is the API key, not the internal token.
+        credentials=trust.server_credentials,
     )
+    logger.info("gateway: %s", trust.describe(checks_token=False))
     resources.push_async_callback(server.stop, None)
     serving = Serving(server, port)
     if http is not None:

@@ -19,6 +19,7 @@ from services.common.kv_client import batched_by_bytes
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.registry_publisher import publisher_for
 from services.common.service import Serving, run_service
+from services.common.trust import load_trust
 from services.common.wire import layout_from_proto
 from services.kvstore.store import BlockStore, StoredBlock
 
@@ -126,6 +127,7 @@ def _get_response(
 
 async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """A kvstore of ``--capacity-bytes`` serving on its port, registered when --redis-url."""
+    trust = load_trust(settings.security)
     store = BlockStore(settings.capacity)
     servicer = KVStoreServicer(store)
     host = settings.server.host
@@ -133,9 +135,16 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         host_port(host, settings.server.port),
         [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
         [SERVICE_NAME],
+        credentials=trust.server_credentials,
+        token=trust.token,
     )
     resources.push_async_callback(server.stop, None)
-    logger.info("kvstore on %s, capacity %d bytes", host_port(host, port), store.capacity_bytes)
+    logger.info(
+        "kvstore on %s, capacity %d bytes; %s",
+        host_port(host, port),
+        store.capacity_bytes,
+        trust.describe(),
+    )
 
     async def load() -> dict:
         return {"bytes_used": store.bytes_used, "num_cached_blocks": store.num_blocks}
