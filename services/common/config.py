@@ -292,10 +292,21 @@ class DecodeSettings:
     GROUP: ClassVar[str] = "decode"
 
     server: ServerSettings = server(50081)
+    kvstore: tuple[str, ...] = setting(
+        (),
+        "a kvstore this worker may fetch blocks from (repeatable; the variable is "
+        "comma-separated), beside the replicas registered in --redis-url; a request that "
+        "names any other kvstore is refused",
+        metavar="HOST:PORT",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        for address in self.kvstore:
+            check_address(address, "--kvstore")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Internal trust over real sockets: the internal token (UNAUTHENTICATED without it, health
-open), a whole cluster chatting over mutual TLS with plaintext refused, and start-up errors
-that name the flag."""
+open), a whole cluster chatting over mutual TLS with plaintext refused, the decode
+worker's kvstore allowlist, and start-up errors that name the flag."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -144,7 +145,7 @@ def token_cluster(tiny_chat_llama_path, tmp_path_factory):
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
         pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model)
-        dec = c.start("decode", "services.decode", *model)
+        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model)
         c.start(
             "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address,
             "--model", str(tiny_chat_llama_path), "--http-port", "-1",
@@ -195,6 +196,38 @@ async def test_the_gateway_sends_the_token_down_the_whole_path(token_cluster):
     assert stat.kv_blocks_imported >= 1  # the decode worker fetched from the kvstore, with it
 
 
+async def test_the_decode_worker_dials_no_kvstore_it_does_not_know(token_cluster):
+    with socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen()
+        stranger.setblocking(False)
+        address = f"127.0.0.1:{stranger.getsockname()[1]}"
+        async with aio_channel(token_cluster.address("prefill"), Trust(token=TOKEN)) as ch:
+            pre = await prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="a", prompt_token_ids=list(range(5, 45)),
+                    params=common_pb2.SamplingParams(max_tokens=4, temperature=0),
+                ),
+                timeout=60,
+            )  # fmt: skip
+        request = decode_pb2.DecodeRequest(
+            request_id="a",
+            prompt_token_ids=list(range(5, 45)),
+            params=common_pb2.SamplingParams(max_tokens=4, temperature=0),
+            first_token_id=pre.first_token_id,
+            block_keys=list(pre.block_keys),
+            kvstore_address=address,
+            layout=pre.layout,
+        )
+        async with aio_channel(token_cluster.address("decode"), Trust(token=TOKEN)) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            code, details = await _code(lambda: stub.Decode(request, timeout=30))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert address in details and "--kvstore" in details
+        with pytest.raises(BlockingIOError):
+            stranger.accept()  # nobody connected
+
+
 # -- a cluster over mutual TLS ----------------------------------------------------------------
 
 
@@ -216,7 +249,7 @@ def tls_cluster(tiny_chat_llama_path, tmp_path_factory, certs):
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB", *internal)
         pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *internal)
-        dec = c.start("decode", "services.decode", *model, *internal)
+        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model, *internal)
         # The public front serves TLS; its clients need no certificate of their own.
         c.start(
             "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address,
