@@ -319,6 +319,11 @@ class KVStoreSettings:
     capacity_bytes: str = setting(
         "2GiB", "memory for blocks, e.g. 512MiB or 2GiB; least recently used out first"
     )
+    block_layout: str | None = setting(
+        None,
+        "the only block layout this kvstore stores, written as its log prints the layout of "
+        "a first put (version=1,model_fingerprint=HEX,dtype=...); default: the first put's",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)

@@ -1,6 +1,9 @@
 """The kvstore service: streamed puts and gets of KV blocks over one in-memory BlockStore.
 
-pdserve kvstore --port 50061 --capacity-bytes 2GiB [--redis-url URL]
+pdserve kvstore --port 50061 --capacity-bytes 2GiB [--redis-url URL] [--block-layout L]
+
+The store's block layout is ``--block-layout``, or the first put's; with an internal
+token, only a caller holding it can make that first put.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from services.common.registry_publisher import publisher_for
 from services.common.service import Serving, run_service
 from services.common.trust import load_trust
 from services.common.wire import layout_from_proto
-from services.kvstore.store import BlockStore, StoredBlock
+from services.kvstore.store import BlockStore, StoredBlock, layout_from_text, layout_to_text
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +131,8 @@ def _get_response(
 async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """A kvstore of ``--capacity-bytes`` serving on its port, registered when --redis-url."""
     trust = load_trust(settings.security)
-    store = BlockStore(settings.capacity)
+    layout = layout_from_text(settings.block_layout) if settings.block_layout else None
+    store = BlockStore(settings.capacity, layout)
     servicer = KVStoreServicer(store)
     host = settings.server.host
     server, port = await start_server(  # OSError when it cannot bind
@@ -140,9 +144,10 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
     )
     resources.push_async_callback(server.stop, None)
     logger.info(
-        "kvstore on %s, capacity %d bytes; %s",
+        "kvstore on %s, capacity %d bytes, block layout %s; %s",
         host_port(host, port),
         store.capacity_bytes,
+        layout_to_text(layout) if layout else "from the first put",
         trust.describe(),
     )
 

@@ -328,3 +328,26 @@ def test_bad_tls_files_stop_the_start_naming_the_flag(certs, tmp_path):
     assert bad_ca.returncode == 2 and "--tls-client-ca" in bad_ca.stderr
     alone = _kvstore_start("--tls-cert", str(certs.service.cert))
     assert alone.returncode == 2 and "--tls-cert and --tls-key go together" in alone.stderr
+
+
+async def test_the_kvstore_keeps_its_configured_layout(tmp_path):
+    from services.common.kv_client import KVStoreClient
+    from services.kvstore.store import layout_to_text
+
+    bad = _kvstore_start("--block-layout", "version=1,dtype=float32")
+    assert bad.returncode == 2 and "--block-layout needs exactly the fields" in bad.stderr
+    c = Cluster(tmp_path)
+    try:
+        kv = c.start("kvstore", "services.kvstore", "--block-layout", layout_to_text(LAYOUT))
+        other = layout_to_proto(BlockLayout(1, b"\x02" * 16, "float32", 16, 2, 2, 16))
+        async with KVStoreClient(kv.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.put_blocks(other, [(b"k", b"x" * 64, 16)], timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_fingerprint: store 010101" in refused.value.details()
+            assert (await client.stat(timeout=10)).num_blocks == 0
+            await client.put_blocks(layout_to_proto(LAYOUT), [(b"k", b"x" * 64, 16)], timeout=10)
+            found, _ = await client.get_blocks(layout_to_proto(LAYOUT), [b"k"], timeout=10)
+            assert found == {b"k": b"x" * 64}
+    finally:
+        c.stop_all()
