@@ -71,6 +71,7 @@ class RedisSettings:
         None,
         "the cluster's Redis (e.g. redis://127.0.0.1:6379/0): workers and kvstores register "
         "there and gateways find them there; unset: no registry",
+        secret=True,  # it may hold a password: `pdserve up` passes it by environment
     )
     redis_prefix: str = setting(
         "pdserve", "key prefix of the registry: clusters sharing one Redis use different ones"

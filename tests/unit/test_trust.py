@@ -1,5 +1,5 @@
-"""Internal trust without processes: the security settings' checks, the token file, the
-kvstore's ``--block-layout``."""
+"""Internal trust without processes: the security settings' checks, the token file,
+secrets to children by environment (never argv), the kvstore's ``--block-layout``."""
 
 from __future__ import annotations
 
@@ -7,13 +7,18 @@ import dataclasses
 
 import pytest
 
+from services.common.command_config import UpSettings
 from services.common.config import (
+    DecodeSettings,
     InternalSecuritySettings,
+    RedisSettings,
+    RegistrySettings,
 )
 from services.common.kv_blocks import BlockLayout
-from services.common.settings import SettingsError
+from services.common.settings import SettingsError, parse_settings, secret_env, to_argv
 from services.common.trust_files import read_token
 from services.kvstore.store import BlockStore, layout_from_text, layout_to_text
+from tests.cluster import ROOT
 
 TOKEN = "a-token-long-enough-for-the-check"
 
@@ -43,6 +48,42 @@ def test_the_token_file_is_read_and_checked(tmp_path):
         read_token(InternalSecuritySettings(internal_token_file=str(path)))
     with pytest.raises(SettingsError, match="--internal-token-file .*cannot read it"):
         read_token(InternalSecuritySettings(internal_token_file=str(tmp_path / "none")))
+
+
+def test_children_get_secrets_by_environment_not_argv(monkeypatch):
+    url = "redis://:hunter2@127.0.0.1:6379/0"
+    settings = DecodeSettings(
+        registry=RegistrySettings(redis=RedisSettings(url)),
+        security=InternalSecuritySettings(internal_token=TOKEN),
+    )
+    argv = to_argv(settings, secrets=False)
+    assert TOKEN not in " ".join(argv) and "hunter2" not in " ".join(argv)
+    env = secret_env(settings)
+    assert env == {"PDSERVE_INTERNAL_TOKEN": TOKEN, "PDSERVE_REDIS_URL": url}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert parse_settings(DecodeSettings, argv, "p", "") == settings
+    assert TOKEN not in repr(settings)
+
+
+def test_up_loads_no_grpc():
+    """Its children are forked with a preexec_fn, which gRPC's fork handler aborts."""
+    import subprocess
+    import sys
+
+    code = "import sys, services.up; sys.exit('grpc' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_up_makes_a_token_per_cluster_unless_given(tmp_path):
+    from services.up import cluster_security
+
+    made = [cluster_security(UpSettings().security).internal_token for _ in range(2)]
+    assert len(made[0]) >= 32 and made[0] != made[1]
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    given = cluster_security(InternalSecuritySettings(internal_token_file=str(path)))
+    assert given.internal_token == TOKEN and given.internal_token_file is None
 
 
 LAYOUT = BlockLayout(1, bytes(range(16)), "bfloat16", 16, 30, 3, 64)
