@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from services.common.command_config import StatusSettings
 from services.common.logs import configure_logging
+from services.common.redaction import redact_url
 from services.common.registry import ROLES, WorkerInfo
 from services.common.registry_view import RegistryView
 from services.common.settings import parse_settings
@@ -22,7 +23,7 @@ async def read_workers(url: str, prefix: str) -> list[WorkerInfo]:
     try:
         await view.refresh()
         if not view.redis_ok:
-            raise ConnectionError(f"Redis at {url} does not answer")
+            raise ConnectionError(f"Redis at {redact_url(url)} does not answer")
         return view.workers()
     finally:
         await view.close()
@@ -148,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     now = time.time()
     if settings.json_output:
-        print(json.dumps({"redis_url": redis.redis_url, **status_json(workers, now)}, indent=2))
+        body = {"redis_url": redact_url(redis.redis_url), **status_json(workers, now)}
+        print(json.dumps(body, indent=2))
     else:
         print(format_tables(workers, now), end="")
     return 0

@@ -5,7 +5,9 @@ Workers load their models in parallel, each pinned to its own slice of the CPUs 
 somewhere to go. Ctrl-C stops everything in order: gateway, workers, kvstore, Redis.
 Each child gets its settings as flags made from settings objects (``to_argv``), and an
 environment without the ``PDSERVE_*`` variables `up` itself read, so that what `up`
-decided is what every child runs with.
+decided is what every child runs with. Secrets go by environment variables, never flags
+(another user can read a process's flags): the internal token is the one given, or a
+random one made for this cluster; the TLS files are passed on as they are.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shlex
 import signal
 import sys
@@ -25,6 +28,7 @@ from services.common.command_config import UpSettings, known_env
 from services.common.config import (
     DecodeSettings,
     GatewaySettings,
+    InternalSecuritySettings,
     KVStoreSettings,
     PrefillSettings,
     RedisSettings,
@@ -40,7 +44,15 @@ from services.common.model import (
     is_prepared,
     locate_model,
 )
-from services.common.settings import env_names, parse_settings, to_argv, warn_unknown_env
+from services.common.redaction import redact_url
+from services.common.settings import (
+    env_names,
+    parse_settings,
+    secret_env,
+    to_argv,
+    warn_unknown_env,
+)
+from services.common.trust_files import read_trust_files
 
 _STOP_TIMEOUT_S = 15.0
 _PROGRESS_EVERY_S = 5.0
@@ -61,17 +73,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--decode decode workers (loading their models in parallel, each pinned to its own "
         "CPU cores) and then the gateway; print its addresses and wait. Ctrl-C stops it all: "
         "the gateway first, then the workers, the kvstore and Redis. The engine flags go to "
-        "every worker; logs go to --log-dir.",
+        "every worker; logs go to --log-dir. The services require an internal token: the "
+        "one given, else a random one made for this cluster.",
     )
     configure_logging(settings.log)
     warn_unknown_env(known_env())
     try:
+        security = cluster_security(settings.security)
         # Resolved once here: workers racing to prepare the default model would collide.
         model = str(_model_dir(settings.engine.model))
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 2
-    return run(settings, model)
+    return run(dataclasses.replace(settings, security=security), model)
+
+
+def cluster_security(given: InternalSecuritySettings) -> InternalSecuritySettings:
+    """The children's security settings: ``given``'s TLS files (checked here, before anything
+    starts) and its token, read from its file, or else a random token for this cluster."""
+    token = read_trust_files(given).token or secrets.token_urlsafe(32)
+    return dataclasses.replace(given, internal_token=token, internal_token_file=None)
 
 
 def _model_dir(model: str | None) -> Path:
@@ -107,11 +128,11 @@ def run(settings: UpSettings, model: str) -> int:
 
             redis = start_redis(settings.redis_port, launcher=launcher)
             redis_url = redis.url
-        print(f"  ✓ redis at {redis_url}", flush=True)
+        print(f"  ✓ redis at {redact_url(redis_url)}", flush=True)
         redis_settings = RedisSettings(redis_url, settings.redis.redis_prefix)
         gateway = _start(settings, model, launcher, redis_settings, stop_signal)
         model_name = _served_model_name(gateway.addresses.get("gateway-http"))
-        _print_summary(gateway, redis_settings, log_dir, model, model_name)
+        _print_summary(gateway, redis_settings, log_dir, model, model_name, settings)
         services = [c for c in launcher.children if redis is None or c is not redis.child]
         return _serve(launcher, services, stop_signal)
     except Interrupted:
@@ -139,6 +160,7 @@ def _start(
             server=ServerSettings(port=0, drain_timeout=5.0),
             capacity_bytes=settings.kvstore_capacity,
             registry=registry,
+            security=settings.security,
             log=settings.log,
         )
         started.append(_launch(launcher, "kvstore", "kvstore", kvstore))
@@ -154,7 +176,11 @@ def _start(
         engine = dataclasses.replace(settings.engine, model=model, num_threads=threads)
         cls = PrefillSettings if role == "prefill" else DecodeSettings
         worker = cls(
-            server=ServerSettings(port=0), registry=registry, engine=engine, log=settings.log
+            server=ServerSettings(port=0),
+            registry=registry,
+            engine=engine,
+            security=settings.security,
+            log=settings.log,
         )
         name = f"{role}-{counts[role]}"
         counts[role] += 1
@@ -169,6 +195,7 @@ def _start(
         max_model_len=settings.engine.max_model_len,
         routing=RoutingSettings(local_prefill_threshold=settings.local_prefill_threshold),
         redis=redis,
+        security=settings.security,
         log=settings.log,
     )
     expect = ["gateway"] + (["gateway-http"] if settings.http_port >= 0 else [])
@@ -186,7 +213,8 @@ def _launch(
     cpus: Sequence[int] | None = None,
     env: dict[str, str] | None = None,
 ) -> Child:
-    argv = [*_PDSERVE, command, *to_argv(settings)]
+    argv = [*_PDSERVE, command, *to_argv(settings, secrets=False)]
+    env = {**(env or {}), **secret_env(settings)}
     return launcher.start(name, argv, expect or [command], cpus=cpus, env=env)
 
 
@@ -280,7 +308,9 @@ def _check_redis(url: str) -> None:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
     except (redis.RedisError, OSError) as e:
-        raise RuntimeError(f"Redis at {url} does not answer ({e}); check --redis-url") from None
+        raise RuntimeError(
+            f"Redis at {redact_url(url)} does not answer ({e}); check --redis-url"
+        ) from None
 
 
 def _served_model_name(http_address: str | None) -> str | None:
@@ -299,14 +329,21 @@ def _served_model_name(http_address: str | None) -> str | None:
 
 
 def _print_summary(
-    gateway: Child, redis: RedisSettings, log_dir: Path, model_dir: str, model: str | None
+    gateway: Child,
+    redis: RedisSettings,
+    log_dir: Path,
+    model_dir: str,
+    model: str | None,
+    settings: UpSettings,
 ) -> None:
     """Where to send requests, a curl to paste, and how to see the cluster's state."""
     http = gateway.addresses.get("gateway-http")
     lines = ["", "pdserve is up:"]
     if http:
         lines.append(f"  REST   http://{http}/v1")
-    lines += [f"  gRPC   {gateway.address}", f"  Redis  {redis.redis_url}"]
+    tls = " (TLS)" if settings.security.tls_cert else ""
+    shown_url = redact_url(redis.redis_url)
+    lines += [f"  gRPC   {gateway.address}{tls}", f"  Redis  {shown_url}"]
     lines += [f"  logs   {log_dir}", f"  model  {model or model_dir}", ""]
     if http and model:
         body = json.dumps(
@@ -321,7 +358,7 @@ def _print_summary(
             f"  curl -s http://{http}/v1/chat/completions -H 'Content-Type: application/json'"
             f" -d {shlex.quote(body)}",
         ]
-    status = f"pdserve status --redis-url {redis.redis_url}"
+    status = f"pdserve status --redis-url {shown_url}"
     if redis.redis_prefix != "pdserve":
         status += f" --redis-prefix {redis.redis_prefix}"
     lines += [f"  {status}", "", "Ctrl-C stops everything."]

@@ -10,6 +10,7 @@ from services.common.config import (
     DecodeSettings,
     EngineArgs,
     GatewaySettings,
+    InternalSecuritySettings,
     KVStoreSettings,
     LogSettings,
     PrefillSettings,
@@ -53,6 +54,8 @@ class UpSettings:
     log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    # The token defaults to a random one per cluster here (services.up).
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:

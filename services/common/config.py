@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from services.common.redaction import redact_url
 from services.common.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from services.common.settings import SettingsError, check, setting
 from services.common.sizes import parse_size
@@ -71,6 +72,7 @@ class RedisSettings:
         None,
         "the cluster's Redis (e.g. redis://127.0.0.1:6379/0): workers and kvstores register "
         "there and gateways find them there; unset: no registry",
+        secret=True,  # it may hold a password: `pdserve up` passes it by environment
     )
     redis_prefix: str = setting(
         "pdserve", "key prefix of the registry: clusters sharing one Redis use different ones"
@@ -78,6 +80,10 @@ class RedisSettings:
 
     def __post_init__(self) -> None:
         check(bool(self.redis_prefix), "--redis-prefix must not be empty")
+
+    def __repr__(self) -> str:  # a URL's password stays out of the settings logged at start
+        url = redact_url(self.redis_url)
+        return f"RedisSettings(redis_url={url!r}, redis_prefix={self.redis_prefix!r})"
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,79 @@ class RegistrySettings:
 
     def __post_init__(self) -> None:
         check(self.registry_ttl > 0, f"--registry-ttl must be positive, got {self.registry_ttl}")
+
+
+MIN_TOKEN_CHARS = 16
+
+
+@dataclass(frozen=True)
+class InternalSecuritySettings:
+    """The trust between a cluster's services: a shared token, and TLS (docs/security.md)."""
+
+    GROUP: ClassVar[str] = "internal security"
+
+    internal_token: str | None = setting(
+        None,
+        "the cluster's shared secret: prefill and decode workers and kvstores refuse calls "
+        "without it (UNAUTHENTICATED), and every pdserve service sends it to them; give it by "
+        "the variable or --internal-token-file (a flag's value is visible to every user of "
+        "the machine); unset: internal calls are not checked",
+        secret=True,
+    )
+    internal_token_file: str | None = setting(
+        None, "a file whose first line is the internal token (instead of --internal-token)"
+    )
+    tls_cert: str | None = setting(
+        None,
+        "PEM certificate chain of this service: its gRPC port serves TLS only, and it presents "
+        "this certificate to services that ask for one (mutual TLS); needs --tls-key",
+    )
+    tls_key: str | None = setting(None, "PEM private key (unencrypted) of --tls-cert")
+    tls_ca: str | None = setting(
+        None,
+        "PEM CA certificates that signed the services' certificates: calls to other pdserve "
+        "services use TLS, verified against them; without it, a service with --tls-cert "
+        "verifies against the system's CAs",
+    )
+    tls_client_ca: str | None = setting(
+        None,
+        "mutual TLS: accept only clients presenting a certificate signed by these PEM CA "
+        "certificates; needs --tls-cert",
+    )
+    tls_server_name: str | None = setting(
+        None,
+        "the name the services' certificates are issued to, when it is not the host dialled "
+        "(e.g. pods dialled by IP); default: each address's host",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            not (self.internal_token and self.internal_token_file),
+            "pass the internal token once: --internal-token (PDSERVE_INTERNAL_TOKEN) or "
+            "--internal-token-file, not both",
+        )
+        check(
+            self.internal_token is None or len(self.internal_token.strip()) >= MIN_TOKEN_CHARS,
+            f"--internal-token must have at least {MIN_TOKEN_CHARS} characters; make one with "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+        )
+        check(
+            bool(self.tls_cert) == bool(self.tls_key),
+            "--tls-cert and --tls-key go together: pass both, or neither for plaintext",
+        )
+        check(
+            not self.tls_client_ca or bool(self.tls_cert),
+            "--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key",
+        )
+        check(
+            not self.tls_server_name or bool(self.tls_cert or self.tls_ca),
+            "--tls-server-name applies to TLS only: pass --tls-ca (or --tls-cert) too",
+        )
+
+    @property
+    def dials_tls(self) -> bool:
+        """Whether calls to other services use TLS."""
+        return bool(self.tls_cert or self.tls_ca)
 
 
 @dataclass(frozen=True)
@@ -195,6 +274,7 @@ class PrefillSettings:
     )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
@@ -214,9 +294,21 @@ class DecodeSettings:
     GROUP: ClassVar[str] = "decode"
 
     server: ServerSettings = server(50081)
+    kvstore: tuple[str, ...] = setting(
+        (),
+        "a kvstore this worker may fetch blocks from (repeatable; the variable is "
+        "comma-separated), beside the replicas registered in --redis-url; a request that "
+        "names any other kvstore is refused",
+        metavar="HOST:PORT",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        for address in self.kvstore:
+            check_address(address, "--kvstore")
 
 
 @dataclass(frozen=True)
@@ -229,7 +321,13 @@ class KVStoreSettings:
     capacity_bytes: str = setting(
         "2GiB", "memory for blocks, e.g. 512MiB or 2GiB; least recently used out first"
     )
+    block_layout: str | None = setting(
+        None,
+        "the only block layout this kvstore stores, written as its log prints the layout of "
+        "a first put (version=1,model_fingerprint=HEX,dtype=...); default: the first put's",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
@@ -312,7 +410,7 @@ class GatewaySettings:
     decode_timeout: float = setting(600.0, "seconds a Decode stream may take")
     api_key: str | None = setting(
         None,
-        "require 'Authorization: Bearer KEY' on the REST API's /v1 routes (default: open)",
+        "require 'Authorization: Bearer KEY' on the REST /v1 routes and the gRPC front (default: open)",
         secret=True,
     )
     max_body_bytes: int = setting(
@@ -341,6 +439,7 @@ class GatewaySettings:
     )
     routing: RoutingSettings = setting(default_factory=RoutingSettings)
     redis: RedisSettings = setting(default_factory=RedisSettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:

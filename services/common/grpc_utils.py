@@ -1,13 +1,16 @@
-"""gRPC servers and channels with deliberate limits: message sizes, keepalives, health, reflection."""
+"""gRPC servers and channels with deliberate limits: message sizes, keepalives, health,
+reflection, and the cluster's internal trust (TLS, the internal token: ``trust``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.trust import TokenCheck, Trust, token_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +45,24 @@ async def start_server(
     register: Iterable[Callable[[grpc.aio.Server], None]],
     service_names: Iterable[str],
     max_receive_bytes: int | None = None,
+    *,
+    credentials: grpc.ServerCredentials | None = None,
+    token: str | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Start an aio server on ``address`` ("127.0.0.1:0" picks a port) with the standard
     health service (every service SERVING) and server reflection. Returns (server, port).
+
     ``max_receive_bytes``: the largest request message (default MAX_MESSAGE_BYTES); a
-    larger one gets RESOURCE_EXHAUSTED."""
+    larger one gets RESOURCE_EXHAUSTED. ``credentials``: serve TLS only
+    (``Trust.server_credentials``); ``token``: refuse calls without it, health excepted
+    (``trust.TokenCheck``); ``interceptors`` run after that."""
     options = SERVER_OPTIONS
     if max_receive_bytes is not None:
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    server = grpc.aio.server(options=options)
+    checks = [TokenCheck(token)] if token else []
+    server = grpc.aio.server(options=options, interceptors=[*checks, *interceptors])
     for add in register:
         add(server)
     names = list(service_names)
@@ -66,7 +77,10 @@ async def start_server(
         server,
     )
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as e:  # grpcio raises this when the address is taken or invalid
         raise OSError(f"cannot bind {address}: is the port in use?") from e
     await server.start()
@@ -81,6 +95,19 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    """An insecure aio channel with the project's message limits and keepalives."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def aio_channel(address: str, trust: Trust | None = None) -> grpc.aio.Channel:
+    """An aio channel with the project's message limits and keepalives; with ``trust``, it
+    dials TLS where the trust says so and sends the internal token on every call."""
+    if trust is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    interceptors = token_interceptors(trust.token)
+    if trust.channel_credentials is None:
+        return grpc.aio.insecure_channel(
+            address, options=CHANNEL_OPTIONS, interceptors=interceptors
+        )
+    options = list(CHANNEL_OPTIONS)
+    if trust.server_name:
+        options.append(("grpc.ssl_target_name_override", trust.server_name))
+    return grpc.aio.secure_channel(
+        address, trust.channel_credentials, options=options, interceptors=interceptors
+    )

@@ -14,6 +14,7 @@ from services.common.kv_blocks import FetchedBlocks, block_checksum, block_probl
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.registry import rendezvous_owner
 from services.common.registry_view import RegistryView
+from services.common.trust import Trust
 from services.common.wire import layout_from_proto
 
 T = TypeVar("T")
@@ -84,9 +85,9 @@ def put_requests(
 class KVStoreClient:
     """A channel to one kvstore. Every call takes a deadline; errors raise grpc.aio.AioRpcError."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, trust: Trust | None = None) -> None:
         self.address = address
-        self._channel = aio_channel(address)
+        self._channel = aio_channel(address, trust)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     async def put_blocks(
@@ -152,11 +153,17 @@ class KVStoreClient:
 class KVStorePlacement:
     """Owners of block keys, and one client per kvstore address."""
 
-    def __init__(self, static_address: str | None, view: RegistryView | None = None) -> None:
+    def __init__(
+        self,
+        static_address: str | None,
+        view: RegistryView | None = None,
+        trust: Trust | None = None,
+    ) -> None:
         if not static_address and view is None:
             raise ValueError("a kvstore placement needs an address or a registry view")
         self.static_address = static_address
         self.view = view
+        self.trust = trust
         self._clients: dict[str, KVStoreClient] = {}
 
     def owners(self, keys: Sequence[bytes]) -> list[str]:
@@ -173,7 +180,7 @@ class KVStorePlacement:
 
     def client(self, address: str) -> KVStoreClient:
         if address not in self._clients:
-            self._clients[address] = KVStoreClient(address)
+            self._clients[address] = KVStoreClient(address, self.trust)
         return self._clients[address]
 
     async def put(self, layout, blocks, addresses: Sequence[str], timeout: float) -> None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.common.redaction import redact_url
 from services.common.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -51,7 +52,7 @@ class RegistryPublisher:
         self.interval_s = min(ttl_s / 4, 0.2)
         self.keys = Keys(prefix)
         self._redis = connect(url)
-        self._url = url
+        self._url = redact_url(url)  # for logs only
         self._load = load
         self._blocks = blocks
         self._resync = True

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.common.redaction import redact_url
 from services.common.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -33,7 +34,7 @@ class _Entry:
 class RegistryView:
     """A live, local copy of the registry: entries whose TTL has not run out."""
 
-    url: str
+    url: str = field(repr=False)  # may hold a password: see shown_url
     prefix: str = DEFAULT_PREFIX
     refresh_s: float = 0.5
     query_timeout_s: float = 0.25
@@ -49,6 +50,7 @@ class RegistryView:
     def __post_init__(self) -> None:
         self.keys = Keys(self.prefix)
         self._redis = connect(self.url)
+        self.shown_url = redact_url(self.url)  # what logs and errors print
         self._poke = asyncio.Event()
         self.changed = asyncio.Event()  # set after each poll or event that changed entries
 
@@ -91,10 +93,10 @@ class RegistryView:
     def describe(self, role: str) -> str:
         """Why there is no worker of ``role``, for the client's error."""
         if not self.redis_ok and not self._entries:
-            return f"no {role} worker known: Redis at {self.url} is unreachable"
+            return f"no {role} worker known: Redis at {self.shown_url} is unreachable"
         return (
-            f"no live {role} worker is registered in Redis at {self.url} (prefix "
-            f"{self.prefix!r}): start one with `pdserve {role} --redis-url {self.url}`"
+            f"no live {role} worker is registered in Redis at {self.shown_url} (prefix "
+            f"{self.prefix!r}): start one with `pdserve {role} --redis-url {self.shown_url}`"
         )
 
     def mark_unreachable(self, worker_id: str) -> None:
@@ -142,7 +144,7 @@ class RegistryView:
             if self.redis_ok:
                 logger.warning(
                     "registry: Redis at %s is unreachable (%s); keeping the last known %d workers",
-                    self.url,
+                    self.shown_url,
                     e or type(e).__name__,
                     len(self._entries),
                 )

@@ -301,13 +301,14 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, descript
 # -- back to flags --------------------------------------------------------------------------
 
 
-def to_argv(settings: Any, *, only_changed: bool = True) -> list[str]:
-    """The flags that make ``parse_settings`` give back ``settings`` (secrets included)."""
+def to_argv(settings: Any, *, only_changed: bool = True, secrets: bool = True) -> list[str]:
+    """The flags that make ``parse_settings`` give back ``settings``; ``secrets=False`` leaves
+    the secret ones out (a child's argv is visible to every user: see ``secret_env``)."""
     argv: list[str] = []
     for opt in options(type(settings)):
-        value = settings
-        for name in opt.path:
-            value = getattr(value, name)
+        if opt.secret and not secrets:
+            continue
+        value = _value(settings, opt)
         if only_changed and value == opt.default:
             continue
         if opt.kind is bool:
@@ -318,6 +319,24 @@ def to_argv(settings: Any, *, only_changed: bool = True) -> list[str]:
         elif value is not None:
             argv += [opt.flag, str(value)]
     return argv
+
+
+def _value(settings: Any, opt: Option) -> Any:
+    value = settings
+    for name in opt.path:
+        value = getattr(value, name)
+    return value
+
+
+def secret_env(settings: Any) -> dict[str, str]:
+    """The ``PDSERVE_*`` variables that give a child the secret settings ``to_argv(...,
+    secrets=False)`` leaves out (the ones that are set)."""
+    env = {}
+    for opt in options(type(settings)):
+        value = _value(settings, opt)
+        if opt.secret and value is not None:
+            env[opt.env] = str(value)
+    return env
 
 
 # -- the environment --------------------------------------------------------------------------

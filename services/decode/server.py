@@ -3,9 +3,11 @@
 Blocks the worker's own prefix cache holds are not fetched; the rest come from the
 kvstore; a block the kvstore no longer has, or one whose header, length or checksum is
 wrong, is recomputed here. Without a first token (colocated mode) the worker prefills the
-prompt itself.
+prompt itself. The worker dials only kvstores it knows, registered in Redis or given by
+``--kvstore``: a request naming another is refused before any connection (the worker would
+send it the internal token).
 
-    pdserve decode --port 50081 [--redis-url URL]
+    pdserve decode --port 50081 [--redis-url URL] [--kvstore HOST:PORT]
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from services.common.config import DecodeSettings
 from services.common.kv_blocks import FetchedBlocks, LayoutMismatch, show_key
 from services.common.kv_client import KVStoreClient
 from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
+from services.common.trust import Trust, load_trust
 from services.common.wire import (
     layout_from_proto,
     layout_to_proto,
@@ -38,21 +42,66 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.v1.Decode"
 # A replica that is gone or slow costs a recompute here, not the request.
 _RECOMPUTE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_MAX_SEEN_KVSTORES = 4096
+
+
+class KnownKVStores:
+    """The kvstores a decode worker may fetch from: ``--kvstore``, and every replica the
+    registry has listed while it ran (one that left since costs a recompute, not the
+    request)."""
+
+    def __init__(self, static: Sequence[str], view: RegistryView | None = None) -> None:
+        self.static = frozenset(static)
+        self.view = view
+        self._seen: dict[str, None] = {}  # an ordered set, oldest first
+
+    def _known(self) -> set[str]:
+        if self.view is not None:
+            for replica in self.view.workers("kvstore"):
+                self._seen.pop(replica.address, None)
+                self._seen[replica.address] = None
+            while len(self._seen) > _MAX_SEEN_KVSTORES:
+                del self._seen[next(iter(self._seen))]
+        return {*self.static, *self._seen}
+
+    async def unknown(self, addresses: set[str]) -> list[str]:
+        """Those of ``addresses`` that are no kvstore this worker knows, sorted; the registry
+        is read again first when one is new to it (a replica that has just joined)."""
+        strangers = addresses - self._known()
+        if strangers and self.view is not None:
+            await self.view.refresh()
+            strangers = addresses - self._known()
+        return sorted(strangers)
+
+    def describe(self) -> str:
+        """Where this worker's kvstores come from, for an error."""
+        sources = [f"--kvstore {', '.join(sorted(self.static))}"] if self.static else []
+        if self.view is not None:
+            sources.append("the replicas registered in --redis-url")
+        return " and ".join(sources) or "none: pass --kvstore HOST:PORT or --redis-url"
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Generates the tokens after a prefill worker's first one (or all, colocated)."""
 
-    def __init__(self, engine: AsyncEngine, fetch_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        kvstores: KnownKVStores,
+        trust: Trust | None = None,
+        fetch_timeout_s: float = 30.0,
+    ) -> None:
         self.engine = engine
         self.layout = engine.info.layout
         self.layout_proto = layout_to_proto(self.layout)
+        self.known_kvstores = kvstores
+        self.trust = trust
         self.fetch_timeout_s = fetch_timeout_s
         self._kvstores: dict[str, KVStoreClient] = {}
 
     def _kvstore(self, address: str) -> KVStoreClient:
         if address not in self._kvstores:
-            self._kvstores[address] = KVStoreClient(address)
+            self._kvstores[address] = KVStoreClient(address, self.trust)
         return self._kvstores[address]
 
     async def close(self) -> None:
@@ -118,6 +167,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"block_kvstore_addresses has {len(addresses)} entries for {len(keys)} blocks",
             )
+        unknown = await self.known_kvstores.unknown({a for a in addresses if a})
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"kvstore {', '.join(unknown)} is not one this decode worker fetches from "
+                f"(it knows {self.known_kvstores.describe()})",
+            )
 
         async def fetch(num_local: int) -> FetchedBlocks:
             if not request.kvstore_address and not request.block_kvstore_addresses:
@@ -173,8 +229,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """Load the engine and serve it."""
+    trust = load_trust(settings.security)  # a bad file stops the start before the model loads
     engine = start_engine(settings, resources)
-    servicer = DecodeServicer(engine)
+    view = None
+    redis = settings.registry.redis
+    if redis.redis_url:
+        view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
+        await view.start()
+        resources.push_async_callback(view.close)
+    servicer = DecodeServicer(engine, KnownKVStores(settings.kvstore, view), trust)
     resources.push_async_callback(servicer.close)
     return await serve_engine(
         settings,
@@ -183,6 +246,7 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         engine,
         lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
         SERVICE_NAME,
+        trust,
     )
 
 

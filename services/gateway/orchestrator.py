@@ -26,6 +26,7 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from services.common.trust import Trust
 from services.gateway.router import NoWorkerError, Route, Router
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ class Orchestrator:
         decode_timeout_s: float = 600.0,
         local_prefill_threshold: int = 0,
         max_attempts: int = 3,
+        trust: Trust | None = None,
     ) -> None:
+        """``trust``: how calls reach the workers (TLS, the internal token)."""
         self.router = router
         self.disaggregation = disaggregation
         self.prefill_timeout_s = prefill_timeout_s
@@ -58,6 +61,7 @@ class Orchestrator:
         self.local_prefill_threshold = local_prefill_threshold
         self.max_attempts = max_attempts
         self.counters: Counter[str] = Counter()  # prefill_remote, prefill_local, retries
+        self.trust = trust
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     @classmethod
@@ -211,7 +215,7 @@ class Orchestrator:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = aio_channel(address)
+            self._channels[address] = aio_channel(address, self.trust)
         return self._channels[address]
 
 

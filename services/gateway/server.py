@@ -23,9 +23,11 @@ from services.common.config import GatewaySettings
 from services.common.grpc_utils import host_port, start_server
 from services.common.model import ModelConfig, locate_model
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
+from services.common.redaction import redact_url
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
 from services.common.tokenizer import Tokenizer
+from services.common.trust import load_trust
 from services.gateway.admission import Admission, Overloaded
 from services.gateway.generation import REQUEST_ERRORS, generate
 from services.gateway.http import HttpServer
@@ -203,6 +205,7 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
 async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack) -> Serving:
     """The model's tokenizer and limits, the router over the pools, then the REST socket (a
     taken port stops the start before anything else) and the gRPC server."""
+    trust = load_trust(settings.security)
     path = locate_model(settings.model)
     config = ModelConfig.from_dir(path)
     limits = ModelLimits(
@@ -222,6 +225,7 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         prefill_timeout_s=settings.prefill_timeout,
         decode_timeout_s=settings.decode_timeout,
         local_prefill_threshold=settings.routing.local_prefill_threshold,
+        trust=trust,
     )
     resources.push_async_callback(orchestrator.close)
     # One gateway, one capacity: REST and gRPC requests take slots from the same bounds.
@@ -245,7 +249,10 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         [lambda s: add_gateway_to_server(servicer, s)],
         [SERVICE_NAME],
         max_receive_bytes=settings.max_body_bytes,
+        # The public front: TLS as configured; its door is the API key, not the internal token.
+        credentials=trust.server_credentials,
     )
+    logger.info("gateway: %s", trust.describe(checks_token=False))
     resources.push_async_callback(server.stop, None)
     serving = Serving(server, port)
     if http is not None:
@@ -294,7 +301,7 @@ async def _router(
     resources.push_async_callback(view.close)
     logger.info(
         "registry at %s: %d workers (%s)",
-        redis.redis_url,
+        redact_url(redis.redis_url),
         len(view.workers()),
         "reachable" if view.redis_ok else "unreachable for now",
     )

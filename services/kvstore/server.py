@@ -1,6 +1,9 @@
 """The kvstore service: streamed puts and gets of KV blocks over one in-memory BlockStore.
 
-pdserve kvstore --port 50061 --capacity-bytes 2GiB [--redis-url URL]
+pdserve kvstore --port 50061 --capacity-bytes 2GiB [--redis-url URL] [--block-layout L]
+
+The store's block layout is ``--block-layout``, or the first put's; with an internal
+token, only a caller holding it can make that first put.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from services.common.kv_client import batched_by_bytes
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.registry_publisher import publisher_for
 from services.common.service import Serving, run_service
+from services.common.trust import load_trust
 from services.common.wire import layout_from_proto
-from services.kvstore.store import BlockStore, StoredBlock
+from services.kvstore.store import BlockStore, StoredBlock, layout_from_text, layout_to_text
 
 logger = logging.getLogger(__name__)
 
@@ -152,16 +156,26 @@ def _get_response(
 
 async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """A kvstore of ``--capacity-bytes`` serving on its port, registered when --redis-url."""
-    store = BlockStore(settings.capacity)
+    trust = load_trust(settings.security)
+    layout = layout_from_text(settings.block_layout) if settings.block_layout else None
+    store = BlockStore(settings.capacity, layout)
     servicer = KVStoreServicer(store)
     host = settings.server.host
     server, port = await start_server(  # OSError when it cannot bind
         host_port(host, settings.server.port),
         [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
         [SERVICE_NAME],
+        credentials=trust.server_credentials,
+        token=trust.token,
     )
     resources.push_async_callback(server.stop, None)
-    logger.info("kvstore on %s, capacity %d bytes", host_port(host, port), store.capacity_bytes)
+    logger.info(
+        "kvstore on %s, capacity %d bytes, block layout %s; %s",
+        host_port(host, port),
+        store.capacity_bytes,
+        layout_to_text(layout) if layout else "from the first put",
+        trust.describe(),
+    )
 
     async def load() -> dict:
         return {"bytes_used": store.bytes_used, "num_cached_blocks": store.num_blocks}

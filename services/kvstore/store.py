@@ -6,10 +6,14 @@ are kept as they are, never copied.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections import OrderedDict
 from typing import NamedTuple
 
 from services.common.kv_blocks import BlockLayout, LayoutMismatch
+
+logger = logging.getLogger(__name__)
 
 
 class StoredBlock(NamedTuple):
@@ -21,15 +25,16 @@ class StoredBlock(NamedTuple):
 class BlockStore:
     """Blocks of one layout, keyed by bytes, evicted least recently used first.
 
-    The first put fixes the layout for the life of the store (a new model means a
-    new kvstore); puts and gets with another layout raise LayoutMismatch.
+    The layout is fixed for the life of the store (a new model means a new kvstore): given
+    at construction, or by the first put; puts and gets with another layout raise
+    LayoutMismatch and change nothing.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, layout: BlockLayout | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"the store's capacity must be at least 1 byte, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.layout: BlockLayout | None = None
+        self.layout = layout
         # Least recently used first.
         self._blocks: OrderedDict[bytes, StoredBlock] = OrderedDict()
         self.bytes_used = 0
@@ -80,7 +85,9 @@ class BlockStore:
                 f"a block of {len(data)} bytes does not fit in the store's capacity of "
                 f"{self.capacity_bytes} bytes: raise --capacity-bytes"
             )
-        self.layout = layout
+        if self.layout is None:
+            self.layout = layout
+            logger.info("block layout fixed by the first put: %s", layout_to_text(layout))
         old = self._blocks.pop(key, None)
         if old is not None:
             self.bytes_used -= len(old.data)
@@ -114,3 +121,48 @@ class BlockStore:
                 f"bug: BlockStore accounts {self.bytes_used} bytes, holds {held}, "
                 f"capacity {self.capacity_bytes}"
             )
+
+
+def layout_to_text(layout: BlockLayout) -> str:
+    """``version=1,model_fingerprint=HEX,...``: the form ``--block-layout`` reads."""
+    return ",".join(
+        f"{f.name}={_field_text(getattr(layout, f.name))}" for f in dataclasses.fields(layout)
+    )
+
+
+def _field_text(value: object) -> str:
+    return value.hex() if isinstance(value, bytes) else str(value)
+
+
+def layout_from_text(text: str) -> BlockLayout:
+    """The layout written by ``layout_to_text``; ValueError naming what is wrong."""
+    given: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--block-layout: {item!r} is not NAME=VALUE")
+        given[name.strip()] = value.strip()
+    fields = {f.name: f for f in dataclasses.fields(BlockLayout)}
+    unknown = sorted(set(given) - set(fields))
+    missing = [n for n in fields if n not in given]
+    if unknown or missing:
+        raise ValueError(
+            f"--block-layout needs exactly the fields {','.join(fields)}"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            + (f"; missing: {', '.join(missing)}" if missing else "")
+        )
+    values = {}
+    for name, f in fields.items():
+        try:
+            values[name] = _parse_field(f.type, given[name])
+        except ValueError:
+            raise ValueError(f"--block-layout: {name}={given[name]!r} is not a {f.type}") from None
+    return BlockLayout(**values)
+
+
+def _parse_field(kind: object, text: str) -> object:
+    if kind in (bytes, "bytes"):
+        return bytes.fromhex(text)
+    if kind in (int, "int"):
+        return int(text)
+    return text

@@ -17,6 +17,7 @@ from services.common.kv_client import KVStorePlacement
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
+from services.common.trust import load_trust
 from services.common.wire import layout_to_proto, logprob_to_proto, sampling_from_proto
 from services.engine.async_engine import AsyncEngine
 from services.engine.sequence import PREFILLED
@@ -80,6 +81,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
 async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """Load the engine, find the kvstore(s), serve."""
+    trust = load_trust(settings.security)  # a bad file stops the start before the model loads
     engine = start_engine(settings, resources)
     view = None
     if not settings.kvstore:
@@ -87,7 +89,7 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
         await view.start()
         resources.push_async_callback(view.close)
-    servicer = PrefillServicer(engine, KVStorePlacement(settings.kvstore, view))
+    servicer = PrefillServicer(engine, KVStorePlacement(settings.kvstore, view, trust))
     resources.push_async_callback(servicer.kvstores.close)
     return await serve_engine(
         settings,
@@ -96,6 +98,7 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         engine,
         lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
         SERVICE_NAME,
+        trust,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import grpc
@@ -18,10 +19,13 @@ from services.common.config import DecodeSettings, PrefillSettings
 from services.common.grpc_utils import host_port, start_server
 from services.common.registry_publisher import RegistryPublisher, publisher_for
 from services.common.service import Serving
+from services.common.trust import Trust
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
 from services.engine.outputs import RequestError
 from services.engine.prepare_model import resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 def error_status(request_id: str, error: RequestError | None) -> tuple[grpc.StatusCode, str]:
@@ -88,10 +92,17 @@ async def serve_engine(
     engine: AsyncEngine,
     add_servicer: Callable[[grpc.aio.Server], None],
     service_name: str,
+    trust: Trust,
 ) -> Serving:
-    """Serve ``engine`` as ``role`` on the settings' port; the Serving for run_service."""
+    """Serve ``engine`` as ``role`` on the settings' port, under ``trust``; the Serving for
+    run_service."""
     server, port = await start_server(
-        host_port(settings.server.host, settings.server.port), [add_servicer], [service_name]
+        host_port(settings.server.host, settings.server.port),
+        [add_servicer],
+        [service_name],
+        credentials=trust.server_credentials,
+        token=trust.token,
     )
+    logger.info("%s: %s", role, trust.describe())
     resources.push_async_callback(server.stop, None)
     return Serving(server, port, engine_publisher(settings, role, port, engine))

@@ -15,6 +15,7 @@ import pytest
 
 from services.common.grpc_utils import aio_channel
 from services.common.kv_blocks import block_checksum
+from services.common.launcher import free_port
 from services.common.pb import (
     common_pb2,
     decode_pb2,
@@ -86,11 +87,12 @@ class FakeKVStore(kvstore_pb2_grpc.KVStoreServicer):
 
 
 @contextlib.asynccontextmanager
-async def fake_kvstore() -> AsyncIterator[tuple[FakeKVStore, str]]:
+async def fake_kvstore(address: str) -> AsyncIterator[tuple[FakeKVStore, str]]:
+    """The fake kvstore on ``address``: the one the decode worker was told it may fetch from."""
     servicer = FakeKVStore()
     server = grpc.aio.server()
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(address)
     await server.start()
     try:
         yield servicer, f"127.0.0.1:{port}"
@@ -128,7 +130,8 @@ def decode(tiny_llama_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("integrity-logs"))
     try:
         model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
-        yield c, c.start("decode", "services.decode", *model)
+        c.kvstore_address = f"127.0.0.1:{free_port()}"
+        yield c, c.start("decode", "services.decode", *model, "--kvstore", c.kvstore_address)
     finally:
         c.stop_all()
 
@@ -191,7 +194,7 @@ async def test_damaged_blocks_are_recomputed_exactly_and_counted(
         damage(blocks[i])
     params = common_pb2.SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     before = await stat_when_idle(worker.address)
-    async with fake_kvstore() as (kvstore, address):
+    async with fake_kvstore(cluster.kvstore_address) as (kvstore, address):
         kvstore.blocks = {b.key: b for b in blocks}
         request = decode_pb2.DecodeRequest(
             request_id=rid,

@@ -31,7 +31,7 @@ def cluster(tiny_llama_path, tmp_path_factory):
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
         pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
-        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE)
         c.start(
             "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address, *model
         )
@@ -49,6 +49,8 @@ def cluster(tiny_llama_path, tmp_path_factory):
         odd = c.start(
             "decode-bs32",
             "services.decode",
+            "--kvstore",
+            kv.address,
             *model,
             "--num-kv-blocks",
             "256",

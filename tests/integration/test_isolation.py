@@ -29,8 +29,9 @@ def cluster(tiny_chat_llama_path, tmp_path_factory):
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
         pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
-        d0 = c.start("decode-0", "services.decode", *model, *ENGINE)
-        d1 = c.start("decode-1", "services.decode", *model, *ENGINE)
+        known = ["--kvstore", kv.address]
+        d0 = c.start("decode-0", "services.decode", *model, *ENGINE, *known)
+        d1 = c.start("decode-1", "services.decode", *model, *ENGINE, *known)
         one = c.start(
             "gateway-one",
             "services.gateway",

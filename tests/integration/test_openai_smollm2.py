@@ -18,7 +18,7 @@ def cluster(smollm2_path, tmp_path_factory):
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "256MiB")
         pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
-        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE)
         gw = c.start(
             "gateway",
             "services.gateway",

@@ -33,7 +33,7 @@ def cluster(tiny_llama_path, tmp_path_factory):
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
         model = ["--model", str(tiny_llama_path), *ENGINE]
         c.start("prefill", "services.prefill", "--kvstore", kv.address, *model)
-        c.start("decode", "services.decode", *model)
+        c.start("decode", "services.decode", "--kvstore", kv.address, *model)
         yield c
     finally:
         c.stop_all()

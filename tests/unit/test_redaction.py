@@ -1,0 +1,46 @@
+"""Secrets out of what pdserve prints: Redis passwords masked in URLs, settings, registry
+errors and `pdserve status`."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import DecodeSettings, RedisSettings, RegistrySettings
+from services.common.redaction import redact_url
+from services.common.registry_view import RegistryView
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:hunter2@10.0.0.5:6379/0", "redis://:***@10.0.0.5:6379/0"),
+        ("rediss://app:hunter2@redis.example:6380/1", "rediss://app:***@redis.example:6380/1"),
+        (
+            "redis://10.0.0.5:6379/0?password=hunter2&db=1",
+            "redis://10.0.0.5:6379/0?password=***&db=1",
+        ),
+        ("redis://[::1]:6379/0", "redis://[::1]:6379/0"),
+        ("redis://:hunter2@[::1]:6379", "redis://:***@[::1]:6379"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://user@127.0.0.1/0", "redis://user@127.0.0.1/0"),
+        (None, None),
+    ],
+)
+def test_redact_url_masks_passwords_only(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_a_redis_password_stays_out_of_settings_and_errors():
+    url = "redis://:hunter2@127.0.0.1:1/0"
+    settings = DecodeSettings(registry=RegistrySettings(redis=RedisSettings(url)))
+    assert "hunter2" not in repr(settings) and "redis://:***@127.0.0.1:1/0" in repr(settings)
+    view = RegistryView(url)
+    assert "hunter2" not in view.describe("decode") and "hunter2" not in repr(view)
+
+
+def test_status_prints_no_redis_password(capsys):
+    from services.status import main
+
+    assert main(["--redis-url", "redis://:hunter2@127.0.0.1:1/0"]) == 1
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "redis://:***@127.0.0.1:1/0" in err
