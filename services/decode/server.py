@@ -148,9 +148,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """What the prefill worker handed over (None in colocated mode); aborts the call on a
         layout that is not this worker's."""
         if not request.HasField("first_token_id"):
+            if request.resume_token_ids:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "resume_token_ids needs first_token_id"
+                )
             return None
         theirs = layout_from_proto(request.layout)
-        if theirs != self.layout:
+        if request.block_keys and theirs != self.layout:
             error = LayoutMismatch(
                 self.layout,
                 theirs,
@@ -183,7 +187,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         first_logprob = (
             logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
         )
-        return Handover(request.first_token_id, first_logprob, fetch)
+        resumed = tuple(request.resume_token_ids)
+        return Handover(request.first_token_id, first_logprob, fetch, resumed)
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext

@@ -30,11 +30,13 @@ class Handover:
 
     ``fetch(num_local)`` returns the blocks (by key) after the first ``num_local``, which
     this engine's own prefix cache holds; a block it does not return as found is recomputed.
+    ``resumed``: tokens after the first that the client has already (a migrated stream).
     """
 
     first_token: int
     first_logprob: TokenLogprobs | None
     fetch: Callable[[int], Awaitable[FetchedBlocks]]
+    resumed: tuple[int, ...] = ()
 
 
 class AsyncEngine:
@@ -93,6 +95,7 @@ class AsyncEngine:
                         request_id,
                         handover.first_token,
                         handover.first_logprob,
+                        handover.resumed,
                     )
                 )
                 fetched = await handover.fetch(num_local)
@@ -101,7 +104,7 @@ class AsyncEngine:
                         e.finish_import(request_id, fetched.found, len(fetched.rejected)),
                         loop,
                         out,
-                        sent=1,
+                        sent=1 + len(handover.resumed),
                     )
                 )
             while True:

@@ -217,12 +217,32 @@ class LLMEngine:
         request_id: str,
         first_token: int,
         first_logprob: TokenLogprobs | None,
+        resumed: tuple[int, ...] = (),
     ) -> int:
         """Take in a request prefilled elsewhere, whose first token is known: hold the blocks
         of its prompt that this engine's prefix cache has, and return how many there are.
-        ``finish_import`` then adds the blocks fetched for the rest, and queues it."""
+        ``finish_import`` then adds the blocks fetched for the rest, and queues it.
+
+        ``resumed``: tokens generated after the first one elsewhere (a migrated stream).
+        They are this request's output, as if generated here: the KV of all but the last
+        is recomputed, and seeded draws and penalties go on from them."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in (first_token, *resumed) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"generated token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) + 1 + len(resumed) > self.max_model_len:
+            raise ValueError(
+                f"the prompt and the {1 + len(resumed)} tokens generated before pass "
+                f"--max-model-len {self.max_model_len}"
+            )
         seq = self._new_sequence(prompt_token_ids, params, request_id)
+        if first_logprob is None and params.logprobs is not None:
+            first_logprob = TokenLogprobs(first_token, 0.0, {})  # sent already: a stand-in
         seq.append_token(first_token, first_logprob)
+        for token in resumed:
+            # The client has these tokens' logprobs already: a stand-in keeps the list
+            # aligned with the output, and is never sent.
+            seq.append_token(token, TokenLogprobs(token, 0.0, {}))
         num_local = self.kv_cache.take_cached_prefix(seq)
         self._importing[request_id] = seq
         return num_local

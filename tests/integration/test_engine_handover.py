@@ -113,3 +113,38 @@ async def test_an_abort_while_fetching_frees_the_held_prefix(llms):
     finally:
         engine.shutdown()
     assert after[0].num_free_blocks == after[0].num_total_blocks
+
+
+# -- a migrated stream: resumed after tokens generated elsewhere ---------------------------
+
+
+@pytest.mark.parametrize("k", [1, 5, 19])
+def test_a_resumed_request_continues_exactly(tiny_llama_path, llms, k):
+    """Greedy: the tokens after the first k are transformers' (float32)."""
+    from tests.reference import compare, hf_greedy
+
+    (ref,) = hf_greedy(tiny_llama_path, [PROMPT], 24)
+    _, decode = llms
+    eng = decode.engine
+    eng.begin_import(PROMPT, greedy(24), f"resume-{k}", ref.tokens[0], None, tuple(ref.tokens[1:k]))
+    seq = eng.finish_import(f"resume-{k}", {})
+    run(decode)
+    assert seq.num_output_tokens == 24 and seq.finish_reason == "length"
+    assert compare(seq.output_token_ids, ref) is None
+    assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
+
+
+def test_a_resumed_seeded_request_draws_what_the_unbroken_one_did(llms):
+    """Seeded sampling with penalties: the draw of token i is keyed by i, and the resumed
+    tokens count as output for the penalties."""
+    prefill, decode = llms
+    params = SamplingParams(
+        max_tokens=20, temperature=0.9, seed=7, ignore_eos=True, presence_penalty=0.5
+    )
+    (whole,) = prefill.generate([PROMPT], params)
+    eng = decode.engine
+    tokens = whole.token_ids
+    eng.begin_import(PROMPT, params, "resume-seeded", tokens[0], None, tuple(tokens[1:8]))
+    seq = eng.finish_import("resume-seeded", {})
+    run(decode)
+    assert seq.output_token_ids == tokens
