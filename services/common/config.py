@@ -408,6 +408,14 @@ class GatewaySettings:
     )
     prefill_timeout: float = setting(60.0, "seconds a Prefill call may take")
     decode_timeout: float = setting(600.0, "seconds a Decode stream may take")
+    migration_limit: int = setting(
+        3,
+        "times a request's decode stream may move to another decode worker when its own "
+        "breaks (dies, fails, or sends nothing for --stream-idle-timeout); 0: never",
+    )
+    stream_idle_timeout: float = setting(
+        30.0, "seconds a decode stream may send nothing before it counts as broken"
+    )
     api_key: str | None = setting(
         None,
         "require 'Authorization: Bearer KEY' on the REST /v1 routes and the gRPC front (default: open)",
@@ -491,6 +499,10 @@ class GatewaySettings:
             self.max_concurrent_requests >= 1,
             f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}",
         )
+        check(
+            self.migration_limit >= 0,
+            f"--migration-limit must be 0 or more, got {self.migration_limit}",
+        )
         check(1 <= self.max_n <= MAX_N, f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
         for flag, value in (
             ("--max-stop", self.max_stop),
@@ -510,6 +522,7 @@ class GatewaySettings:
             ("--send-timeout", self.send_timeout),
             ("--prefill-timeout", self.prefill_timeout),
             ("--decode-timeout", self.decode_timeout),
+            ("--stream-idle-timeout", self.stream_idle_timeout),
         ):
             check(value > 0, f"{flag} must be a positive number of seconds, got {value}")
 

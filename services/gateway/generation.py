@@ -39,7 +39,10 @@ async def generate(
     stop = StopChecker(list(request.stop))
     usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))
     last = None
-    events = orchestrator.generate(request.request_id, request.prompt_token_ids, request.params)
+    moves: list[str] = []
+    events = orchestrator.generate(
+        request.request_id, request.prompt_token_ids, request.params, moves
+    )
     async with aclosing(events):
         async for event in events:
             usage.completion_tokens += len(event.token_ids)
@@ -63,13 +66,14 @@ async def generate(
         raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")
     last.usage.CopyFrom(usage)
     logger.info(
-        "request %s%s: %d prompt tokens (%d cached), %d generated, finish %s",
+        "request %s%s: %d prompt tokens (%d cached), %d generated, finish %s, on %s",
         request.request_id,
         f" (client id {request.client_request_id!r})" if request.client_request_id else "",
         usage.prompt_tokens,
         usage.cached_prompt_tokens,
         usage.completion_tokens,
         last.finish_reason,
+        " -> ".join(moves),
     )
     yield last
 

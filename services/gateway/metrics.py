@@ -26,14 +26,24 @@ def routing_metrics(orchestrator: Orchestrator, model_name: str) -> list[str]:
     c, m = orchestrator.counters, f'model_name="{model_name}"'
     lines = [
         "# HELP pdserve:prefill_requests_total Prompts prefilled, by where: remote (the "
-        "prefill pool) or local (the decode worker, colocated or conditional).",
+        "prefill pool), local (the decode worker, colocated or conditional) or fallback "
+        "(the decode worker, no prefill worker could).",
         "# TYPE pdserve:prefill_requests_total counter",
         f'pdserve:prefill_requests_total{{{m},where="remote"}} {c["prefill_remote"]}',
         f'pdserve:prefill_requests_total{{{m},where="local"}} {c["prefill_local"]}',
+        f'pdserve:prefill_requests_total{{{m},where="fallback"}} {c["prefill_fallback"]}',
         "# HELP pdserve:worker_retries_total Calls retried on another worker after one was "
         "unreachable.",
         "# TYPE pdserve:worker_retries_total counter",
         f"pdserve:worker_retries_total{{{m}}} {c['retries']}",
+        "# HELP pdserve:stream_migrations_total Decode streams moved to another decode "
+        "worker after theirs broke, by reason: unavailable (died, unreachable), stalled "
+        "(sent nothing for --stream-idle-timeout), error (failed).",
+        "# TYPE pdserve:stream_migrations_total counter",
+        *(
+            f'pdserve:stream_migrations_total{{{m},reason="{r}"}} {c["migrations:" + r]}'
+            for r in ("unavailable", "stalled", "error")
+        ),
         "# HELP pdserve:routed_requests_total Requests the router sent to each worker.",
         "# TYPE pdserve:routed_requests_total counter",
     ]

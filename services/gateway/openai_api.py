@@ -253,7 +253,8 @@ class _HeldStream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def send_or_give_up(message: dict) -> None:
             try:
-                await asyncio.wait_for(send(message), self._send_timeout_s)
+                async with asyncio.timeout(self._send_timeout_s):
+                    await send(message)
             except TimeoutError:
                 raise _ClientStalled from None
 

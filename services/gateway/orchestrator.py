@@ -36,11 +36,39 @@ class WorkerProtocolError(RuntimeError):
     """A worker broke the wire contract (a bug in the worker, not in the request)."""
 
 
+class StreamStalled(RuntimeError):
+    """A decode stream sent nothing for the idle timeout (its worker hangs)."""
+
+
+# A decode stream that breaks with one of these is the request's own doing (a bad value, a
+# layout or kvstore refused) or out of its time budget: moving it would fail again.
+_FINAL = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+# A prefill that fails with one of these is not tried on the decode worker instead.
+_NO_FALLBACK = _FINAL - {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
 class Orchestrator:
     """Runs requests on the workers its router picks, each gRPC call under a deadline.
 
     A call that cannot reach its worker (UNAVAILABLE before any answer: the worker died
     or is draining) is retried on another worker of the pool, up to ``max_attempts``.
+    A decode stream that breaks after the client has tokens (its worker died, hangs past
+    ``stream_idle_timeout_s``, or failed) **migrates**: another decode worker gets the
+    prompt and the tokens so far and continues the stream, the client sees no gap and no
+    repeat, and greedy or seeded output is what the unbroken stream would have been; at
+    most ``migration_limit`` times a request. A prefill that no prefill worker can do
+    falls back to the decode worker.
     """
 
     def __init__(
@@ -52,15 +80,20 @@ class Orchestrator:
         local_prefill_threshold: int = 0,
         max_attempts: int = 3,
         trust: Trust | None = None,
+        migration_limit: int = 3,
+        stream_idle_timeout_s: float = 30.0,
     ) -> None:
         """``trust``: how calls reach the workers (TLS, the internal token)."""
+        self.migration_limit = migration_limit
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self.router = router
         self.disaggregation = disaggregation
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_timeout_s = decode_timeout_s
         self.local_prefill_threshold = local_prefill_threshold
         self.max_attempts = max_attempts
-        self.counters: Counter[str] = Counter()  # prefill_remote, prefill_local, retries
+        # prefill_remote, prefill_local, prefill_fallback, retries, migrations:<reason>
+        self.counters: Counter[str] = Counter()
         self.trust = trust
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -82,11 +115,15 @@ class Orchestrator:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: common_pb2.SamplingParams,
+        moves: list[str] | None = None,
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """The request's output as events: new token ids (and logprobs), the last with a
         finish_reason. Closing the iterator, or cancelling its consumer, cancels the
         decode call. A worker's gRPC error is raised as it came (``grpc.aio.AioRpcError``).
+        ``moves``: where the request ran is appended to it ("prefill@ADDR", "decode@ADDR",
+        one entry per worker), for its log line.
         """
+        moves = [] if moves is None else moves
         prompt = list(prompt_token_ids)
         request = decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, params=params
@@ -96,32 +133,77 @@ class Orchestrator:
         # worker is short is cheaper to prefill there than to prefill and transfer.
         uncached = len(prompt) - route.cached_tokens
         if self.disaggregation and uncached >= self.local_prefill_threshold:
-            self.counters["prefill_remote"] += 1
-            prefill = await self._prefill(request_id, prompt, params)
-            yield first_token_event(prefill)
-            if prefill.finish_reason:
-                return
-            _hand_over(prefill, request)
+            try:
+                prefill = await self._prefill(request_id, prompt, params, moves)
+            except (grpc.aio.AioRpcError, NoWorkerError) as error:
+                if isinstance(error, grpc.aio.AioRpcError) and error.code() in _NO_FALLBACK:
+                    raise
+                # No prefill worker could: the decode worker prefills it itself.
+                self.counters["prefill_fallback"] += 1
+                logger.warning(
+                    "request %s: no prefill worker answered (%s); prefilling on decode worker %s",
+                    request_id,
+                    _describe(error),
+                    route.address,
+                )
+            else:
+                self.counters["prefill_remote"] += 1
+                yield first_token_event(prefill)
+                if prefill.finish_reason:
+                    return
+                _hand_over(prefill, request)
         else:
             self.counters["prefill_local"] += 1
-        async for event in self._decode(request, route, prompt):
+        async for event in self._decode(request, route, prompt, moves):
             yield event
 
     async def _decode(
-        self, request: decode_pb2.DecodeRequest, route: Route, prompt: list[int]
+        self,
+        request: decode_pb2.DecodeRequest,
+        route: Route,
+        prompt: list[int],
+        moves: list[str],
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         tried: set[str] = set()
+        generated: list[int] = []  # the tokens the decode streams delivered so far
+        migrations = 0
+        call = request
         while True:
-            answered = False
+            moves.append(f"decode@{route.address}")
             try:
-                async with contextlib.aclosing(self._decode_on(request, route)) as events:
+                async with contextlib.aclosing(self._decode_on(call, route)) as events:
                     async for response in events:
-                        answered = True
+                        generated.extend(response.token_ids)
                         yield response
                 return
-            except grpc.aio.AioRpcError as error:
+            except (grpc.aio.AioRpcError, WorkerProtocolError, StreamStalled) as error:
                 tried.add(route.worker.worker_id)
-                route = await self._retry_route("decode", error, answered, route, prompt, tried)
+                client_has_tokens = bool(generated) or request.HasField("first_token_id")
+                if not client_has_tokens:
+                    route = await self._retry_route("decode", error, False, route, prompt, tried)
+                    continue
+                reason = _migration_reason(error)
+                if reason is None or migrations >= self.migration_limit:
+                    raise
+                if reason == "unavailable":
+                    self.router.mark_unreachable(route)
+                try:
+                    moved = await self.router.pick("decode", prompt, exclude=frozenset(tried))
+                except NoWorkerError:
+                    raise error from None
+                migrations += 1
+                self.counters[f"migrations:{reason}"] += 1
+                logger.warning(
+                    "request %s: decode stream on %s broke after %d tokens (%s: %s); "
+                    "migrating it to %s",
+                    request.request_id,
+                    route.address,
+                    len(generated) + request.HasField("first_token_id"),
+                    reason,
+                    _describe(error),
+                    moved.address,
+                )
+                route, call = moved, _resumed(request, generated)
 
     async def _decode_on(
         self, request: decode_pb2.DecodeRequest, route: Route
@@ -131,8 +213,19 @@ class Orchestrator:
         logger.debug("request %s: Decode on %s", request.request_id, address)
         with self.router.track(route):
             call = stub.Decode(request, timeout=self.decode_timeout_s)
+            responses = call.__aiter__()
             try:
-                async for response in call:
+                while True:
+                    try:
+                        async with asyncio.timeout(self.stream_idle_timeout_s):
+                            response = await anext(responses)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        raise StreamStalled(
+                            f"decode worker {address} sent nothing for "
+                            f"{self.stream_idle_timeout_s:g}s (--stream-idle-timeout)"
+                        ) from None
                     yield response
                     if response.finish_reason:
                         return
@@ -187,6 +280,7 @@ class Orchestrator:
         request_id: str,
         prompt: list[int],
         params: common_pb2.SamplingParams,
+        moves: list[str],
     ) -> prefill_pb2.PrefillResponse:
         request = prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, params=params
@@ -194,6 +288,7 @@ class Orchestrator:
         route = await self.router.pick("prefill", prompt)
         tried: set[str] = set()
         while True:
+            moves.append(f"prefill@{route.address}")
             try:
                 return await self._prefill_on(request, route)
             except grpc.aio.AioRpcError as error:
@@ -217,6 +312,38 @@ class Orchestrator:
         if address not in self._channels:
             self._channels[address] = aio_channel(address, self.trust)
         return self._channels[address]
+
+
+def _migration_reason(error: Exception) -> str | None:
+    """Why a broken decode stream moves ("unavailable", "stalled", "error"), or None when
+    it must not (the request's own fault or deadline)."""
+    if isinstance(error, StreamStalled):
+        return "stalled"
+    if isinstance(error, WorkerProtocolError):
+        return "error"
+    if error.code() in _FINAL:
+        return None
+    return "unavailable" if error.code() == grpc.StatusCode.UNAVAILABLE else "error"
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name} {error.details() or ''}".strip()
+    return str(error)
+
+
+def _resumed(request: decode_pb2.DecodeRequest, generated: list[int]) -> decode_pb2.DecodeRequest:
+    """``request`` continued after ``generated`` (the tokens its decode streams delivered):
+    the prefill's hand-over stays (its blocks may still be in the kvstore), and the tokens
+    the client has become the new worker's output so far."""
+    resumed = decode_pb2.DecodeRequest()
+    resumed.CopyFrom(request)
+    if request.HasField("first_token_id"):
+        resumed.resume_token_ids.extend(generated)
+    elif generated:  # colocated: the first generated token plays the prefill's part
+        resumed.first_token_id = generated[0]
+        resumed.resume_token_ids.extend(generated[1:])
+    return resumed
 
 
 def first_token_event(prefill: prefill_pb2.PrefillResponse) -> decode_pb2.DecodeResponse:

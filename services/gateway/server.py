@@ -100,7 +100,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async with aclosing(generate(self.orchestrator, self.tokenizer, prepared)) as chunks:
                 async for chunk in chunks:
                     try:
-                        await asyncio.wait_for(context.write(chunk), self.send_timeout_s)
+                        async with asyncio.timeout(self.send_timeout_s):
+                            await context.write(chunk)
                     except TimeoutError:
                         stalled = True
                         break
@@ -226,6 +227,8 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         decode_timeout_s=settings.decode_timeout,
         local_prefill_threshold=settings.routing.local_prefill_threshold,
         trust=trust,
+        migration_limit=settings.migration_limit,
+        stream_idle_timeout_s=settings.stream_idle_timeout,
     )
     resources.push_async_callback(orchestrator.close)
     # One gateway, one capacity: REST and gRPC requests take slots from the same bounds.

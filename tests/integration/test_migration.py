@@ -1,0 +1,223 @@
+"""Streams that survive their decode worker, on real clusters (kvstore, prefill, two decode
+workers, gateway; the tiny Llama in float32): SIGKILL or SIGSTOP the decode worker serving
+live streams, disaggregated and colocated, and every stream finishes with the output of an
+unbroken run (greedy and seeded), the migration counter equal to the streams cut; a dead
+prefill worker costs a prefill on the decode worker instead."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from services.common.grpc_utils import aio_channel
+from services.common.pb import decode_pb2, decode_pb2_grpc
+from tests.cluster import Cluster
+
+ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "16"]
+MODEL = "tiny"
+IDLE_S = 2.0
+NUM_STREAMS = 8
+MAX_TOKENS = 400
+
+
+def start_cluster(model_path, log_dir, disaggregated: bool) -> Cluster:
+    c = Cluster(log_dir)
+    model = ["--model", str(model_path)]
+    try:
+        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
+        known = ["--kvstore", kv.address]
+        pools = []
+        if disaggregated:
+            pre = c.start("prefill", "services.prefill", *known, *model, *ENGINE)
+            pools += ["--prefill", pre.address]
+        else:
+            pools += ["--disaggregation", "off"]
+        for i in range(2):
+            d = c.start(f"decode-{i}", "services.decode", *model, *ENGINE, *known)
+            pools += ["--decode", d.address]
+        gw = c.start(
+            "gateway",
+            "services.gateway",
+            *pools,
+            "--routing",
+            "round-robin",
+            "--stream-idle-timeout",
+            str(IDLE_S),
+            "--served-model-name",
+            MODEL,
+            *model,
+        )
+        c.url = f"http://{gw.addresses['gateway-http']}"
+        return c
+    except BaseException:
+        c.stop_all()
+        raise
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def cluster(request, tiny_chat_llama_path, tmp_path_factory):
+    """One cluster per mode for the module's tests, in order: a stall (the worker lives
+    on), a kill (decode-0 is gone after it), a dead prefill worker (disaggregated)."""
+    log_dir = tmp_path_factory.mktemp(f"migration-{request.param}")
+    c = start_cluster(tiny_chat_llama_path, log_dir, request.param == "disaggregated")
+    c.mode = request.param
+    try:
+        c.want, _ = asyncio.run(run_all(c.url))  # the unbroken run
+        yield c
+    finally:
+        c.stop_all()
+
+
+def body(i: int) -> dict:
+    """Stream i: greedy for even i, seeded sampling for odd i; one asks for logprobs."""
+    sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": 100 + i}
+    extra = {"logprobs": 2} if i == 3 else {}
+    return {
+        "model": MODEL,
+        "prompt": [(5 * i + 7 * k) % 500 + 3 for k in range(20 + 3 * i)],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+        **sampling,
+        **extra,
+    }
+
+
+async def stream(client: httpx.AsyncClient, payload: dict, started: asyncio.Event | None):
+    """(token ids, logprob count, finish reason) of a streamed completion; ``started`` is
+    set once it has a few tokens."""
+    tokens, num_logprobs, finish = [], 0, None
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            choice = event["choices"][0]
+            tokens.extend(choice.get("token_ids") or [])
+            num_logprobs += len((choice.get("logprobs") or {}).get("tokens") or [])
+            finish = choice.get("finish_reason") or finish
+            if started is not None and len(tokens) >= 3:
+                started.set()
+    return tokens, num_logprobs, finish
+
+
+async def run_all(url: str, fault=None):
+    """Every stream at once; ``fault()`` runs once each has begun, its result returned."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        started = [asyncio.Event() for _ in range(NUM_STREAMS)]
+        tasks = [
+            asyncio.create_task(stream(client, body(i), started[i])) for i in range(NUM_STREAMS)
+        ]
+        done = None
+        if fault is not None:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            done = await fault()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 180), done
+
+
+async def decode_stat(address: str) -> decode_pb2.DecodeStatResponse:
+    async with aio_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        return await stub.Stat(decode_pb2.DecodeStatRequest(), timeout=10)
+
+
+async def in_flight(address: str) -> int:
+    stat = await decode_stat(address)
+    return stat.num_running + stat.num_waiting
+
+
+async def all_blocks_free(address: str, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        stat = await decode_stat(address)
+        if stat.num_free_blocks == stat.num_total_blocks and not stat.num_running:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+def metric(url: str, name: str, **labels) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def check(got, want) -> None:
+    for i, ((tokens, num_logprobs, finish), (w_tokens, _, _)) in enumerate(
+        zip(got, want, strict=True)
+    ):
+        assert tokens == w_tokens, f"stream {i} differs from the unbroken run"
+        assert finish == "length" and len(tokens) == MAX_TOKENS
+        if i == 3:
+            assert num_logprobs == len(tokens)
+
+
+def test_a_stalled_decode_worker_is_left_after_the_idle_timeout(cluster):
+    victim = next(s for s in cluster.services if s.name == "decode-0")
+
+    async def stall() -> int:
+        cut = await in_flight(victim.address)
+        victim.proc.send_signal(signal.SIGSTOP)
+        return cut
+
+    try:
+        got, cut = asyncio.run(run_all(cluster.url, stall))
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    check(got, cluster.want)
+    assert cut >= 1
+    assert metric(cluster.url, "pdserve:stream_migrations_total", reason="stalled") == cut
+    # Woken, the stalled worker sees its streams cancelled and frees their blocks.
+    assert asyncio.run(all_blocks_free(victim.address))
+    assert cluster.unhandled_errors() == []
+
+
+def test_a_killed_decode_worker_loses_no_stream(cluster):
+    before = metric(cluster.url, "pdserve:stream_migrations_total")
+    victim = next(s for s in cluster.services if s.name == "decode-0")
+    survivor = next(s for s in cluster.services if s.name == "decode-1")
+    gateway = next(s for s in cluster.services if s.name == "gateway")
+    moved = rf"decode@{victim.address} -> decode@{survivor.address}"
+    moved_before = len(re.findall(moved, gateway.log_text()))
+
+    async def kill() -> int:
+        cut = await in_flight(victim.address)
+        await asyncio.to_thread(cluster.stop, victim, signal.SIGKILL)
+        return cut
+
+    got, cut = asyncio.run(run_all(cluster.url, kill))
+    check(got, cluster.want)
+    assert cut >= 1
+    assert metric(cluster.url, "pdserve:stream_migrations_total") - before == cut
+    assert metric(cluster.url, "pdserve:stream_migrations_total", reason="unavailable") == cut
+    assert asyncio.run(all_blocks_free(survivor.address))
+    # Each request's log line says where it moved.
+    assert len(re.findall(moved, gateway.log_text())) - moved_before == cut
+    assert cluster.unhandled_errors() == []
+
+
+def test_a_dead_prefill_worker_costs_a_prefill_on_the_decode_worker(cluster):
+    if cluster.mode != "disaggregated":
+        pytest.skip("no prefill worker in colocated mode")
+    fallbacks = metric(cluster.url, "pdserve:prefill_requests_total", where="fallback")
+    migrations = metric(cluster.url, "pdserve:stream_migrations_total")
+    cluster.stop(next(s for s in cluster.services if s.name == "prefill"), signal.SIGKILL)
+    got, _ = asyncio.run(run_all(cluster.url))
+    check(got, cluster.want)
+    fallbacks = metric(cluster.url, "pdserve:prefill_requests_total", where="fallback") - fallbacks
+    assert fallbacks == NUM_STREAMS
+    assert metric(cluster.url, "pdserve:stream_migrations_total") == migrations
