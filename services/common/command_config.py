@@ -161,6 +161,10 @@ ALL_SETTINGS = (
 )
 
 
+# Test-only fault injection of the workers (services.worker.faults); no flag.
+TEST_FAULT_ENV = "PDSERVE_TEST_FAULT"
+
+
 def known_env() -> set[str]:
     """Every ``PDSERVE_*`` variable some pdserve command reads."""
-    return env_names(ALL_SETTINGS)
+    return env_names(ALL_SETTINGS) | {TEST_FAULT_ENV}
