@@ -285,7 +285,7 @@ class AsyncEngine:
             exported=exported,
             error=seq.error if reason == "error" else None,
         )
-        loop.call_soon_threadsafe(out.put_nowait, delta)
+        _post(loop, out.put_nowait, delta)
 
     def _run(self) -> None:
         try:
@@ -315,6 +315,8 @@ class AsyncEngine:
             step = self._step()
             self.num_steps += 1
             self._busy_since = None
+            if self.failure is not None:  # declared stalled meanwhile: its requests have ended
+                return
             for seq in step.advanced if step is not None else ():
                 self._emit(seq)
 
@@ -331,7 +333,7 @@ class AsyncEngine:
         for request_id in list(self._streams):
             loop, out, _ = self._streams.pop(request_id)
             delta = RequestDelta([], [], finish_reason="error", error=error)
-            loop.call_soon_threadsafe(out.put_nowait, delta)
+            _post(loop, out.put_nowait, delta)
             self.engine.abort(request_id)
 
 
