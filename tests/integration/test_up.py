@@ -1,5 +1,6 @@
 """`pdserve up` as a user runs it: the whole cluster from one command, a real chat request
-through it, `pdserve status`, and Ctrl-C leaving no process behind."""
+through it, `pdserve status`, killed children restarted, and Ctrl-C leaving no process
+behind."""
 
 from __future__ import annotations
 
@@ -195,6 +196,7 @@ def _status(redis_url: str) -> dict:
 
 
 def _chat(rest: str) -> httpx.Response:
+    """A chat request; the status may be an error while a child is restarting."""
     return httpx.post(
         f"{rest}/chat/completions",
         json={
@@ -207,7 +209,19 @@ def _chat(rest: str) -> httpx.Response:
     )
 
 
-def test_up_restarts_a_killed_worker_and_keeps_serving(tiny_chat_llama_path, tmp_path):
+def _pid_of(up_pid: int, command: str) -> int:
+    """The PID of up's child that runs ``pdserve COMMAND``."""
+    for pid in _descendants(up_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:4] == [b"-m", b"services.cli", command.encode()]:
+            return pid
+    raise AssertionError(f"no {command} among the children of {up_pid}")
+
+
+def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp_path):
     proc = _start_up(
         "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
         "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
@@ -244,6 +258,15 @@ def test_up_restarts_a_killed_worker_and_keeps_serving(tiny_chat_llama_path, tmp
             time.sleep(0.5)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] > 0
+
+        # A restarted gateway binds the ports up printed.
+        grpc_address = re.search(r"gRPC +(\S+)", out).group(1)
+        os.kill(_pid_of(proc.pid, "gateway"), signal.SIGKILL)
+        _read_until(proc, f"  ✓ gateway back at {grpc_address}", timeout=90)
+        deadline = time.monotonic() + 60
+        while (response := _chat(rest)).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert response.status_code == 200, response.text
         pids |= _descendants(proc.pid)
 
         proc.send_signal(signal.SIGINT)
