@@ -268,10 +268,10 @@ class WatchdogSettings:
 
     engine_stall_timeout: float = setting(
         60.0,
-        "seconds one engine step may run before the engine counts as stalled: the worker "
-        "then fails its requests with UNAVAILABLE, turns NOT_SERVING, deregisters and exits "
-        "3, for its supervisor to restart it (as when the engine thread dies); generous, "
-        "since a first step may compile",
+        "seconds one engine step (or other call on the engine thread) may run before the "
+        "engine counts as stalled: the worker then fails its requests with UNAVAILABLE, "
+        "turns NOT_SERVING, deregisters and exits 3, for its supervisor to restart it (as "
+        "when the engine thread dies); generous, since a first step may compile",
     )
 
     def __post_init__(self) -> None:

@@ -201,7 +201,7 @@ class AsyncEngine:
                 busy_s = self.busy_for()
                 if busy_s > stall_timeout_s:
                     self._die(
-                        f"the engine thread has been stuck in one step for {busy_s:.0f} s "
+                        f"the engine thread has been stuck in one step or command for {busy_s:.0f} s "
                         f"(--engine-stall-timeout {stall_timeout_s:g})"
                     )
                 elif not self._thread.is_alive() and not self._stop:
