@@ -2,7 +2,9 @@
 
 Workers load their models in parallel, each pinned to its own slice of the CPUs (DESIGN,
 "Deployment"); the gateway starts once they are registered, so its first request has
-somewhere to go. Ctrl-C stops everything in order: gateway, workers, kvstore, Redis.
+somewhere to go. A child that exits is restarted with backoff (``services.supervisor``)
+while the others go on serving; Ctrl-C stops everything in order: gateway, workers,
+kvstore, Redis.
 Each child gets its settings as flags made from settings objects (``to_argv``), and an
 environment without the ``PDSERVE_*`` variables `up` itself read, so that what `up`
 decided is what every child runs with. Secrets go by environment variables, never flags
@@ -45,6 +47,7 @@ from services.common.model import (
     locate_model,
 )
 from services.common.redaction import redact_url
+from services.common.registry import Keys, redis_errors
 from services.common.settings import (
     env_names,
     parse_settings,
@@ -53,6 +56,7 @@ from services.common.settings import (
     warn_unknown_env,
 )
 from services.common.trust_files import read_trust_files
+from services.supervisor import GaveUp, Supervisor
 
 _STOP_TIMEOUT_S = 15.0
 _PROGRESS_EVERY_S = 5.0
@@ -71,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="pdserve up",
         description="Start Redis (unless --redis-url), a kvstore, --prefill prefill and "
         "--decode decode workers (loading their models in parallel, each pinned to its own "
-        "CPU cores) and then the gateway; print its addresses and wait. Ctrl-C stops it all: "
+        "CPU cores) and then the gateway; print its addresses and wait. A child that exits is "
+        "restarted with backoff (1, 2, 4 ... 30 s; the 5th crash in a row of one child, none "
+        "lasting a minute, stops the cluster). Ctrl-C stops it all: "
         "the gateway first, then the workers, the kvstore and Redis. The engine flags go to "
         "every worker; logs go to --log-dir. The services require an internal token: the "
         "one given, else a random one made for this cluster.",
@@ -133,8 +139,13 @@ def run(settings: UpSettings, model: str) -> int:
         gateway = _start(settings, model, launcher, redis_settings, stop_signal)
         model_name = _served_model_name(gateway.addresses.get("gateway-http"))
         _print_summary(gateway, redis_settings, log_dir, model, model_name, settings)
-        services = [c for c in launcher.children if redis is None or c is not redis.child]
-        return _serve(launcher, services, stop_signal)
+        supervisor = Supervisor(
+            launcher,
+            launcher.children,
+            settings.startup_timeout,
+            on_exit=lambda child, pid: _forget_pid(redis_settings, child.name, pid),
+        )
+        return _serve(supervisor, stop_signal)
     except Interrupted:
         print("pdserve up: interrupted while starting; stopping", file=sys.stderr)
         return 130
@@ -179,6 +190,7 @@ def _start(
             server=ServerSettings(port=0),
             registry=registry,
             engine=engine,
+            watchdog=settings.watchdog,
             security=settings.security,
             log=settings.log,
         )
@@ -201,7 +213,18 @@ def _start(
     expect = ["gateway"] + (["gateway-http"] if settings.http_port >= 0 else [])
     child = _launch(launcher, "gateway", "gateway", gateway, expect=expect)
     _wait_ready(launcher, [child], settings.startup_timeout, stop_signal)
+    # A restarted gateway binds the ports this one got (the ones printed), not new free ones.
+    pinned = dataclasses.replace(
+        gateway,
+        server=dataclasses.replace(gateway.server, port=_port(child.address)),
+        http_port=_port(child.addresses["gateway-http"]) if "gateway-http" in expect else -1,
+    )
+    child.argv = [*_PDSERVE, "gateway", *to_argv(pinned, secrets=False)]
     return child
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
 
 
 def _launch(
@@ -265,19 +288,43 @@ def _wait_ready(launcher: Launcher, children: list[Child], timeout: float, stop_
     on_tick()
 
 
-def _serve(launcher: Launcher, services: list[Child], stop_signal: list) -> int:
-    """Wait for a signal (exit 0) or for a service to die (exit 1); Redis may come and go."""
+def _serve(supervisor: Supervisor, stop_signal: list) -> int:
+    """Keep the children running until a signal (exit 0), or until one crashes too often in
+    a row (exit 1)."""
     while not stop_signal:
-        dead = launcher.dead(services)
-        if dead is not None:
-            print(f"pdserve up: {dead.name} {dead.exit_text()}; stopping", file=sys.stderr)
-            print(
-                f"--- last lines of {dead.log_path} ---\n{dead.log_tail(20)}\n---", file=sys.stderr
-            )
+        try:
+            supervisor.tick()
+        except GaveUp as e:
+            print(f"pdserve up: {e}", file=sys.stderr, flush=True)
             return 1
         time.sleep(0.5)
     print(f"\npdserve up: {signal.Signals(stop_signal[0]).name}: stopping", flush=True)
     return 0
+
+
+def _forget_pid(redis: RedisSettings, name: str, pid: int) -> None:
+    """Remove the registry entries of process ``pid`` (a child that died without
+    deregistering), so that gateways stop routing to it now rather than at its TTL."""
+    if name in ("redis", "gateway"):
+        return
+    import redis as redis_client
+
+    keys = Keys(redis.redis_prefix)
+    try:
+        client = redis_client.Redis.from_url(
+            redis.redis_url, socket_connect_timeout=2, socket_timeout=2
+        )
+        with client:
+            for key in client.scan_iter(match=keys.worker("*"), count=100):
+                entry = client.get(key)
+                info = json.loads(entry) if entry is not None else {}
+                if info.get("pid") != pid:
+                    continue
+                worker_id = info["worker_id"]
+                client.delete(key, keys.blocks(worker_id))
+                client.publish(keys.events, json.dumps({"kind": "down", "id": worker_id}))
+    except (*redis_errors(), OSError, ValueError) as e:
+        print(f"pdserve up: could not remove {name}'s registry entry ({e})", file=sys.stderr)
 
 
 def _stop_all(launcher: Launcher, redis) -> None:

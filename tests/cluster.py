@@ -33,14 +33,22 @@ class Cluster:
     def services(self) -> list[Child]:
         return self.launcher.children
 
-    def start(self, name: str, module: str, *args: str, timeout: float = 120.0) -> Child:
-        """Run ``python -m module --port 0 args...`` and wait for its READY line(s): a gateway
-        also owes ``READY gateway-http`` unless its REST API is off."""
+    def start(
+        self,
+        name: str,
+        module: str,
+        *args: str,
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> Child:
+        """Run ``python -m module --port 0 args...`` (``env`` added to its environment) and
+        wait for its READY line(s): a gateway also owes ``READY gateway-http`` unless its
+        REST API is off."""
         expect = [module.rsplit(".", 1)[-1].replace("_", "-")]
         if expect == ["gateway"] and not _rest_off(args):
             expect.append("gateway-http")
         argv = [sys.executable, "-m", module, "--port", "0", *args]
-        return self.launcher.start_ready(name, argv, expect, timeout=timeout)
+        return self.launcher.start_ready(name, argv, expect, timeout=timeout, env=env)
 
     def address(self, name: str) -> str:
         """The address of the started service called ``name``."""

@@ -15,6 +15,7 @@ from services.common.config import (
     LogSettings,
     PrefillSettings,
     RedisSettings,
+    WatchdogSettings,
     size_setting,
 )
 from services.common.settings import check, env_names, setting
@@ -54,6 +55,7 @@ class UpSettings:
     log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
     # The token defaults to a random one per cluster here (services.up).
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
@@ -161,6 +163,10 @@ ALL_SETTINGS = (
 )
 
 
+# Test-only fault injection of the workers (services.worker.faults); no flag.
+TEST_FAULT_ENV = "PDSERVE_TEST_FAULT"
+
+
 def known_env() -> set[str]:
     """Every ``PDSERVE_*`` variable some pdserve command reads."""
-    return env_names(ALL_SETTINGS)
+    return env_names(ALL_SETTINGS) | {TEST_FAULT_ENV}

@@ -261,6 +261,28 @@ def size_setting(flag: str, value: str | int) -> int:
 
 
 @dataclass(frozen=True)
+class WatchdogSettings:
+    """When a worker counts its engine as dead, and leaves to be restarted."""
+
+    GROUP: ClassVar[str] = "watchdog"
+
+    engine_stall_timeout: float = setting(
+        60.0,
+        "seconds one engine step (or other call on the engine thread) may run before the "
+        "engine counts as stalled: the worker then fails its requests with UNAVAILABLE, "
+        "turns NOT_SERVING, deregisters and exits 3, for its supervisor to restart it (as "
+        "when the engine thread dies); generous, since a first step may compile",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            self.engine_stall_timeout > 0,
+            f"--engine-stall-timeout must be a positive number of seconds, got "
+            f"{self.engine_stall_timeout}",
+        )
+
+
+@dataclass(frozen=True)
 class PrefillSettings:
     """A prefill worker."""
 
@@ -274,6 +296,7 @@ class PrefillSettings:
     )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
@@ -303,6 +326,7 @@ class DecodeSettings:
     )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
+    watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 

@@ -261,6 +261,12 @@ class Launcher:
             with pending._lines:
                 pending._lines.wait(_PROBE_EVERY_S)
 
+    def poll_ready(self, child: Child) -> bool:
+        """Whether ``child`` is ready, after one look (no wait); StartFailed when it exited
+        before it was ready."""
+        self._poll(child)
+        return child.ready
+
     def _poll(self, child: Child) -> None:
         if child.ready:
             return
@@ -291,10 +297,6 @@ class Launcher:
             self.stop([child])
             raise
         return child
-
-    def dead(self, among: Sequence[Child] | None = None) -> Child | None:
-        """A child (of ``among``, default all) that exited, if any."""
-        return next((c for c in (among or self.children) if not c.alive()), None)
 
     def stop(
         self, children: Sequence[Child], timeout: float = 15.0, sig: int = signal.SIGTERM

@@ -7,7 +7,9 @@ a warning for unknown ``PDSERVE_*`` variables, SIGTERM/SIGINT, registration in t
 registry, the ``READY <name> HOST:PORT`` line launchers wait for, and on a signal the
 drain: deregister first (gateways drop the worker at once), report NOT_SERVING, let
 running calls finish for ``--drain-timeout`` seconds, then release every resource
-``start`` registered, last made first.
+``start`` registered, last made first. A service whose ``Serving.watch`` returns (a
+worker's engine died) leaves the same way, with a short grace, and exits 3: it cannot
+serve any more, and its supervisor (Kubernetes, `pdserve up`) starts a fresh one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 # Between deregistering and refusing calls: time for gateways to hear the "down" event.
 DEREGISTER_PAUSE_S = 0.3
+# The grace of calls when a service fails: what waited on the failed part has ended.
+FAILED_GRACE_S = 2.0
+EXIT_FAILED = 3  # the service failed while serving; a supervisor should restart it
+
+
+class ServiceFailed(RuntimeError):
+    """The service cannot serve any more (``Serving.watch`` said why)."""
 
 
 @dataclass
@@ -46,6 +55,8 @@ class Serving:
     ready_lines: list[tuple[str, str]] = field(default_factory=list)  # more READY lines
     # Drained beside the gRPC server, given the same grace seconds (e.g. the REST server).
     drains: list[Callable[[float], Awaitable[None]]] = field(default_factory=list)
+    # Returns (a reason) once the service can no longer serve: it then leaves and exits 3.
+    watch: Callable[[], Awaitable[str]] | None = None
 
 
 StartFn = Callable[[Any, contextlib.AsyncExitStack], Awaitable[Serving]]
@@ -71,6 +82,12 @@ def run_service(
     except OSError as error:  # e.g. the port is taken
         print(f"pdserve {name}: error: {error}", file=sys.stderr)
         return 1
+    except ServiceFailed as error:
+        print(
+            f"pdserve {name}: error: {error}; exiting {EXIT_FAILED} to be restarted",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     return 0
 
 
@@ -87,12 +104,36 @@ async def _serve(name: str, settings: Any, start: StartFn) -> None:
             print(f"READY {name} {host_port(settings.server.host, serving.port)}", flush=True)
             for ready_name, address in serving.ready_lines:
                 print(f"READY {ready_name} {address}", flush=True)
-            await stop.wait()
+            failure = await _until_stopped(stop, serving.watch)
+            if failure is not None:
+                logger.critical(
+                    "%s cannot serve any more: %s; leaving (deregister, NOT_SERVING, exit %d)",
+                    name,
+                    failure,
+                    EXIT_FAILED,
+                )
+                await _drain(serving, min(FAILED_GRACE_S, settings.server.drain_timeout))
+                raise ServiceFailed(failure)
             await _drain(serving, settings.server.drain_timeout)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     logger.info("%s stopped", name)
+
+
+async def _until_stopped(
+    stop: asyncio.Event, watch: Callable[[], Awaitable[str]] | None
+) -> str | None:
+    """Wait for a stop signal (None) or for ``watch`` to say why the service failed."""
+    stopped = asyncio.ensure_future(stop.wait())
+    waits = {stopped}
+    if watch is not None:
+        waits.add(asyncio.ensure_future(watch()))
+    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return None if stopped in done else done.pop().result()
 
 
 async def _drain(serving: Serving, grace_s: float) -> None:

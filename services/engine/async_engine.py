@@ -4,24 +4,36 @@ All engine state is touched by the engine thread only. Coroutines send it comman
 through a queue and receive each request's outputs on an asyncio.Queue; what other
 threads may read is fixed at start (``info``) or a snapshot the engine thread replaces
 after every step (``stats``), so a heartbeat never waits behind a long step.
+
+An engine whose thread dies (an exception outside a step's error handling) or stops
+returning from a step or command (``watch``'s stall timeout) is dead for good: every
+request and call waiting on it ends at once (an ``engine_down`` error, ``EngineDead``),
+new ones are refused, and ``watch`` tells the worker, which then leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.kv_blocks import FetchedBlocks
 from services.common.sampling import SamplingParams, TokenLogprobs
 from services.engine.engine import LLMEngine
-from services.engine.outputs import RequestDelta, RequestError
+from services.engine.outputs import RequestDelta, RequestError, StepOutput
 from services.engine.sequence import PREFILLED, Sequence
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine thread died or stalled: nothing sent to this engine will finish."""
 
 
 @dataclass(frozen=True)
@@ -40,16 +52,29 @@ class Handover:
 
 
 class AsyncEngine:
-    """Runs ``engine.step()`` in a loop on a thread while there is work."""
+    """Runs ``engine.step()`` in a loop on a thread while there is work.
 
-    def __init__(self, engine: LLMEngine) -> None:
+    ``before_step(num_steps)`` runs on the engine thread before each step, outside the
+    step's error handling (the worker's test-only fault injection).
+    """
+
+    def __init__(self, engine: LLMEngine, before_step: Callable[[int], None] | None = None) -> None:
         self.engine = engine
         self.info = engine.info()
         self.stats = engine.stats()
         self.num_requests = 0  # requests taken, for the registry
+        self.num_steps = 0
+        self.failure: str | None = None  # why the engine is dead; set once, never cleared
+        self._before_step = before_step
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._stop = False
+        # When the step or command the engine thread runs now began (monotonic); None idle.
+        self._busy_since: float | None = None
+        # Whom to tell when the engine dies: callables safe to call from any thread.
+        self._lock = threading.Lock()
+        self._waiters: dict[int, Callable[[EngineDead], None]] = {}
+        self._waiter_ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -75,38 +100,16 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[RequestDelta] = asyncio.Queue()
         finished = False
+        waiter = self._on_death(lambda e: _post(loop, out.put_nowait, _engine_down(e)))
         try:
-            if handover is None:
-                await self.call(
-                    lambda e: self._open(
-                        e.add_request(
-                            prompt_token_ids, params, request_id, prefill_only=prefill_only
-                        ),
-                        loop,
-                        out,
-                        sent=0,
-                    )
+            try:
+                await self._open_request(
+                    request_id, prompt_token_ids, params, prefill_only, handover, loop, out
                 )
-            else:
-                num_local = await self.call(
-                    lambda e: e.begin_import(
-                        prompt_token_ids,
-                        params,
-                        request_id,
-                        handover.first_token,
-                        handover.first_logprob,
-                        handover.resumed,
-                    )
-                )
-                fetched = await handover.fetch(num_local)
-                await self.call(
-                    lambda e: self._open(
-                        e.finish_import(request_id, fetched.found, len(fetched.rejected)),
-                        loop,
-                        out,
-                        sent=1 + len(handover.resumed),
-                    )
-                )
+            except EngineDead as error:
+                finished = True
+                yield _engine_down(error)
+                return
             while True:
                 delta = await out.get()
                 yield delta
@@ -114,8 +117,50 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            if not finished:
+            self._forget(waiter)
+            if not finished and self.failure is None:
                 self._commands.put(lambda: self._abort(request_id))
+
+    async def _open_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool,
+        handover: Handover | None,
+        loop: asyncio.AbstractEventLoop,
+        out: asyncio.Queue,
+    ) -> None:
+        """Add the request to the engine, its outputs streamed to ``out``."""
+        if handover is None:
+            await self.call(
+                lambda e: self._open(
+                    e.add_request(prompt_token_ids, params, request_id, prefill_only=prefill_only),
+                    loop,
+                    out,
+                    sent=0,
+                )
+            )
+        else:
+            num_local = await self.call(
+                lambda e: e.begin_import(
+                    prompt_token_ids,
+                    params,
+                    request_id,
+                    handover.first_token,
+                    handover.first_logprob,
+                    handover.resumed,
+                )
+            )
+            fetched = await handover.fetch(num_local)
+            await self.call(
+                lambda e: self._open(
+                    e.finish_import(request_id, fetched.found, len(fetched.rejected)),
+                    loop,
+                    out,
+                    sent=1 + len(handover.resumed),
+                )
+            )
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run ``fn(engine)`` on the engine thread and return its result (or raise its error)."""
@@ -138,13 +183,76 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(settle, result, None)
 
-        self._commands.put(run)
-        return await fut
+        waiter = self._on_death(lambda e: _post(loop, settle, None, e))
+        try:
+            self._commands.put(run)
+            return await fut
+        finally:
+            self._forget(waiter)
+
+    async def watch(self, stall_timeout_s: float) -> str:
+        """Return why the engine failed, once it has: its thread died, or one step or
+        command has run for over ``stall_timeout_s`` seconds (the thread is abandoned).
+        Every request and call waiting on it has ended by then."""
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[str] = loop.create_future()
+        waiter = self._on_death(lambda e: _post(loop, _settle_once, failed, str(e)))
+        poll_s = min(0.5, stall_timeout_s / 4)
+        try:
+            while not failed.done():
+                await asyncio.wait({failed}, timeout=poll_s)
+                busy_s = self.busy_for()
+                if busy_s > stall_timeout_s:
+                    self._die(
+                        f"the engine thread has been stuck in one step or command for {busy_s:.0f} s "
+                        f"(--engine-stall-timeout {stall_timeout_s:g})"
+                    )
+                elif not self._thread.is_alive() and not self._stop:
+                    self._die("the engine thread ended")
+            return failed.result()
+        finally:
+            self._forget(waiter)
+
+    def busy_for(self) -> float:
+        """Seconds the engine thread has spent in its current step or command (0 idle)."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def shutdown(self) -> None:
         self._stop = True
         self._commands.put(lambda: None)
-        self._thread.join(timeout=10)
+        if self.failure is None:  # a dead or stuck thread is not waited for
+            self._thread.join(timeout=10)
+
+    # --- any thread ----------------------------------------------------------------
+
+    def _on_death(self, notify: Callable[[EngineDead], None]) -> int:
+        """Call ``notify(EngineDead)`` when the engine dies (now, if it has); a key for
+        ``_forget``."""
+        with self._lock:
+            key = next(self._waiter_ids)
+            if self.failure is None:
+                self._waiters[key] = notify
+                return key
+        notify(EngineDead(self.failure))
+        return key
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._waiters.pop(key, None)
+
+    def _die(self, reason: str) -> None:
+        """Mark the engine dead, once, and end everything waiting on it."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            self._stop = True  # a stuck thread that wakes up leaves its loop
+            waiters, self._waiters = list(self._waiters.values()), {}
+        logger.critical("engine failed: %s", reason)
+        error = EngineDead(reason)
+        for notify in waiters:
+            notify(error)
 
     # --- engine thread -------------------------------------------------------------
 
@@ -180,33 +288,72 @@ class AsyncEngine:
             exported=exported,
             error=seq.error if reason == "error" else None,
         )
-        loop.call_soon_threadsafe(out.put_nowait, delta)
+        _post(loop, out.put_nowait, delta)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 (the engine is dead: say so, then leave)
+            logger.critical("the engine thread died", exc_info=True)
+            self._die(f"the engine thread died: {error!r}")
+
+    def _loop(self) -> None:
         while not self._stop:
             block = not self.engine.has_unfinished()
             try:
                 while True:
                     cmd = self._commands.get(block=block, timeout=1.0 if block else None)
+                    self._busy_since = time.monotonic()
                     cmd()
+                    self._busy_since = None
                     block = False
             except queue.Empty:
                 pass
             self.stats = self.engine.stats()
             if self._stop or not self.engine.has_unfinished():
                 continue
-            try:
-                step = self.engine.step()
-            except Exception as error:  # a bug: fail every open request rather than hang them
-                logger.exception("engine step failed")
-                self._fail_all(RequestError(f"the engine step failed: {error!r}"))
-                continue
-            for seq in step.advanced:
+            self._busy_since = time.monotonic()
+            if self._before_step is not None:
+                self._before_step(self.num_steps)
+            step = self._step()
+            self.num_steps += 1
+            self._busy_since = None
+            if self.failure is not None:  # declared stalled meanwhile: its requests have ended
+                return
+            for seq in step.advanced if step is not None else ():
                 self._emit(seq)
+
+    def _step(self) -> StepOutput | None:
+        """One engine step; None when it raised (every open request then ends with an error)."""
+        try:
+            return self.engine.step()
+        except Exception as error:  # a bug: fail every open request rather than hang them
+            logger.exception("engine step failed")
+            self._fail_all(RequestError(f"the engine step failed: {error!r}"))
+            return None
 
     def _fail_all(self, error: RequestError) -> None:
         for request_id in list(self._streams):
             loop, out, _ = self._streams.pop(request_id)
             delta = RequestDelta([], [], finish_reason="error", error=error)
-            loop.call_soon_threadsafe(out.put_nowait, delta)
+            _post(loop, out.put_nowait, delta)
             self.engine.abort(request_id)
+
+
+def _engine_down(error: EngineDead) -> RequestDelta:
+    """The last delta of a request whose engine died under it."""
+    message = f"the worker's engine failed ({error}); retry on another worker"
+    return RequestDelta(
+        [], [], finish_reason="error", error=RequestError(message, engine_down=True)
+    )
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
+    """``fn(*args)`` on ``loop``, from any thread; nothing when the loop has closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle_once(fut: asyncio.Future, result: object) -> None:
+    if not fut.done():
+        fut.set_result(result)

@@ -21,10 +21,13 @@ class RequestError:
     ``invalid``: the request's own values made it fail (e.g. sampling parameters whose
     probabilities are not finite): the caller's fault, a 400. Otherwise a fault in the
     engine that hit this request only: a 500. Either way the other requests go on.
+    ``engine_down``: the engine itself failed (its thread died or stalled), so no request
+    on it can finish; the request may be retried on another worker (UNAVAILABLE).
     """
 
     message: str
     invalid: bool = False
+    engine_down: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 A worker started with ``--redis-url`` registers itself (address, role, model fingerprint,
 block size, capacity); its heartbeat publishes its load, read from the engine's stats
 snapshot without waiting for a step, and the block hashes its prefix cache stores and
-evicts. ``run_service`` does the rest (READY line, drain on SIGTERM).
+evicts. ``run_service`` does the rest (READY line, drain on SIGTERM), and makes the
+worker leave when the engine's watchdog says it is dead (its thread died, or a step ran
+past ``--engine-stall-timeout``): its requests end with UNAVAILABLE, it turns NOT_SERVING,
+deregisters and exits 3, for its supervisor to start a fresh one.
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from services.common.grpc_utils import host_port, start_server
 from services.common.registry_publisher import RegistryPublisher, publisher_for
 from services.common.service import Serving
 from services.common.trust import Trust
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import AsyncEngine, EngineDead
 from services.engine.engine import LLMEngine
 from services.engine.outputs import RequestError
 from services.engine.prepare_model import resolve_model
+from services.worker.faults import step_fault
 
 logger = logging.getLogger(__name__)
 
 
 def error_status(request_id: str, error: RequestError | None) -> tuple[grpc.StatusCode, str]:
     """The status of a request the engine ended with "error": INVALID_ARGUMENT when its own
-    values caused it, else INTERNAL; the message names the request."""
+    values caused it, UNAVAILABLE when the engine itself is down (retry elsewhere), else
+    INTERNAL; the message names the request."""
     if error is None:
         return grpc.StatusCode.INTERNAL, f"request {request_id}: the engine failed; see its log"
+    if error.engine_down:
+        return grpc.StatusCode.UNAVAILABLE, f"request {request_id}: {error.message}"
     code = grpc.StatusCode.INVALID_ARGUMENT if error.invalid else grpc.StatusCode.INTERNAL
     return code, f"request {request_id}: {error.message}"
 
@@ -42,9 +49,10 @@ def start_engine(
 ) -> AsyncEngine:
     """Load ``settings.engine``'s model into an engine on its own thread (stopped with
     ``resources``). ValueError / FileNotFoundError for a bad model or engine setting."""
+    fault = step_fault()  # test-only; a bad value stops the start before the model loads
     path = resolve_model(settings.engine.model)
     args = dataclasses.replace(settings.engine, model=str(path))
-    engine = AsyncEngine(LLMEngine(args, str(path)))
+    engine = AsyncEngine(LLMEngine(args, str(path)), before_step=fault)
     resources.callback(engine.shutdown)
     return engine
 
@@ -68,7 +76,10 @@ def engine_publisher(
         }
 
     async def blocks(full: bool) -> tuple[list[bytes], list[bytes]]:
-        return await engine.call(lambda e: e.drain_block_events(full))
+        try:
+            return await engine.call(lambda e: e.drain_block_events(full))
+        except EngineDead:  # the worker is leaving; its entry goes with it
+            return [], []
 
     return publisher_for(
         settings.registry,
@@ -105,4 +116,10 @@ async def serve_engine(
     )
     logger.info("%s: %s", role, trust.describe())
     resources.push_async_callback(server.stop, None)
-    return Serving(server, port, engine_publisher(settings, role, port, engine))
+    stall_timeout_s = settings.watchdog.engine_stall_timeout
+    return Serving(
+        server,
+        port,
+        engine_publisher(settings, role, port, engine),
+        watch=lambda: engine.watch(stall_timeout_s),
+    )

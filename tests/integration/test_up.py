@@ -1,9 +1,11 @@
 """`pdserve up` as a user runs it: the whole cluster from one command, a real chat request
-through it, `pdserve status`, and Ctrl-C leaving no process behind."""
+through it, `pdserve status`, killed children restarted, and Ctrl-C leaving no process
+behind."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import selectors
 import signal
@@ -179,3 +181,103 @@ def test_up_refuses_a_missing_model_before_starting_anything(tmp_path):
     assert proc.returncode == 2
     assert "/nonexistent does not exist" in stderr
     assert not log_dir.exists()  # nothing was started
+
+
+def _status(redis_url: str) -> dict:
+    status = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--redis-url", redis_url, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 0, status.stderr
+    return json.loads(status.stdout)["pools"]
+
+
+def _chat(rest: str) -> httpx.Response:
+    """A chat request; the status may be an error while a child is restarting."""
+    return httpx.post(
+        f"{rest}/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+        timeout=60,
+    )
+
+
+def _pid_of(up_pid: int, command: str) -> int:
+    """The PID of up's child that runs ``pdserve COMMAND``."""
+    for pid in _descendants(up_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:4] == [b"-m", b"services.cli", command.encode()]:
+            return pid
+    raise AssertionError(f"no {command} among the children of {up_pid}")
+
+
+def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp_path):
+    proc = _start_up(
+        "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
+        "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
+        *ENGINE,
+    )  # fmt: skip
+    pids: set[int] = set()
+    try:
+        out = _read_until(proc, "Ctrl-C stops everything", timeout=90)
+        rest = re.search(r"REST +(http://\S+)", out).group(1)
+        redis_url = re.search(r"Redis +(\S+)", out).group(1)
+        before = _status(redis_url)
+        (decode,) = before["decode"]["workers"]
+        others = {p["workers"][0]["pid"] for role, p in before.items() if role != "decode"}
+        pids = _descendants(proc.pid)
+
+        os.kill(decode["pid"], signal.SIGKILL)
+        back = _read_until(proc, "  ✓ decode-0 back at", timeout=90)
+        assert "restarting decode-0" in back
+
+        # The old entry is gone at once (up removes it), the new worker registered itself.
+        deadline = time.monotonic() + 30
+        while True:
+            workers = _status(redis_url)["decode"]["workers"]
+            if [w["pid"] for w in workers] != [decode["pid"]] and len(workers) == 1:
+                break
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.2)
+        assert workers[0]["pid"] != decode["pid"] and workers[0]["worker_id"] != decode["worker_id"]
+        after = _status(redis_url)
+        assert {p["workers"][0]["pid"] for r, p in after.items() if r != "decode"} == others
+
+        deadline = time.monotonic() + 60
+        while (response := _chat(rest)).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] > 0
+
+        # A restarted gateway binds the ports up printed.
+        grpc_address = re.search(r"gRPC +(\S+)", out).group(1)
+        os.kill(_pid_of(proc.pid, "gateway"), signal.SIGKILL)
+        _read_until(proc, f"  ✓ gateway back at {grpc_address}", timeout=90)
+        deadline = time.monotonic() + 60
+        while (response := _chat(rest)).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert response.status_code == 200, response.text
+        pids |= _descendants(proc.pid)
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        stderr = _stderr(proc)
+        assert "decode-0 was killed by SIGKILL; restarting it in 1 s (crash 1 in a row" in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
