@@ -17,6 +17,7 @@ import pytest
 
 from services.common.grpc_utils import aio_channel
 from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.engine import LLM, SamplingParams
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "16"]
@@ -26,7 +27,7 @@ NUM_STREAMS = 8
 MAX_TOKENS = 400
 
 
-def start_cluster(model_path, log_dir, disaggregated: bool) -> Cluster:
+def start_cluster(model_path, log_dir, disaggregated: bool, decode0_env=None) -> Cluster:
     c = Cluster(log_dir)
     model = ["--model", str(model_path)]
     try:
@@ -39,7 +40,8 @@ def start_cluster(model_path, log_dir, disaggregated: bool) -> Cluster:
         else:
             pools += ["--disaggregation", "off"]
         for i in range(2):
-            d = c.start(f"decode-{i}", "services.decode", *model, *ENGINE, *known)
+            env = decode0_env if i == 0 else None
+            d = c.start(f"decode-{i}", "services.decode", *model, *ENGINE, *known, env=env)
             pools += ["--decode", d.address]
         gw = c.start(
             "gateway",
@@ -221,3 +223,33 @@ def test_a_dead_prefill_worker_costs_a_prefill_on_the_decode_worker(cluster):
     fallbacks = metric(cluster.url, "pdserve:prefill_requests_total", where="fallback") - fallbacks
     assert fallbacks == NUM_STREAMS
     assert metric(cluster.url, "pdserve:stream_migrations_total") == migrations
+
+
+def test_streams_leave_a_decode_worker_whose_engine_dies(tiny_chat_llama_path, tmp_path):
+    """The watchdog answers the dead engine's streams UNAVAILABLE at once (and the worker
+    exits 3); the gateway moves them. Outputs equal the in-process engine's."""
+    llm = LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=512)
+    params = [
+        SamplingParams(
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            temperature=b["temperature"],
+            seed=b.get("seed"),
+            logprobs=b.get("logprobs"),
+        )
+        for b in map(body, range(NUM_STREAMS))
+    ]
+    want = llm.generate([body(i)["prompt"] for i in range(NUM_STREAMS)], params)
+    fault = {"PDSERVE_TEST_FAULT": "engine-thread-death-after:60"}
+    c = start_cluster(tiny_chat_llama_path, tmp_path, disaggregated=True, decode0_env=fault)
+    try:
+        got, _ = asyncio.run(run_all(c.url))
+        check(got, [(w.token_ids, None, None) for w in want])
+        victim = next(s for s in c.services if s.name == "decode-0")
+        assert victim.proc.wait(timeout=30) == 3
+        gateway = next(s for s in c.services if s.name == "gateway").log_text()
+        moved = len(re.findall(rf"decode@{victim.address} -> decode@", gateway))
+        assert moved >= 1
+        assert metric(c.url, "pdserve:stream_migrations_total", reason="unavailable") == moved
+    finally:
+        c.stop_all()
