@@ -326,6 +326,11 @@ class KVStoreSettings:
         "the only block layout this kvstore stores, written as its log prints the layout of "
         "a first put (version=1,model_fingerprint=HEX,dtype=...); default: the first put's",
     )
+    block_lease: float = setting(
+        60.0,
+        "seconds a put block waits for its first get before it expires (the decode worker it "
+        "was pushed for never asked); a fetched block stays until LRU evicts it; 0: no lease",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
@@ -333,6 +338,10 @@ class KVStoreSettings:
     def __post_init__(self) -> None:
         size = size_setting("--capacity-bytes", self.capacity_bytes)
         check(size >= 1, f"--capacity-bytes must be positive, got {self.capacity_bytes}")
+        check(
+            self.block_lease >= 0,
+            f"--block-lease must be 0 (no lease) or positive seconds, got {self.block_lease}",
+        )
 
     @property
     def capacity(self) -> int:

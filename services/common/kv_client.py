@@ -100,17 +100,21 @@ class KVStoreClient:
         return await self._stub.PutBlocks(put_requests(layout, blocks, checksums), timeout=timeout)
 
     async def get_blocks(
-        self, layout: common_pb2.BlockLayout, keys: Sequence[bytes], timeout: float
+        self,
+        layout: common_pb2.BlockLayout,
+        keys: Sequence[bytes],
+        timeout: float,
+        single_use: Sequence[bytes] = (),
     ) -> FetchedBlocks:
         """The blocks under ``keys``: those whose header, length and checksum are those of a
         sound block of ``layout``, those that are not (``rejected``, with why), and the keys
-        the store does not have."""
+        the store does not have. ``single_use``: keys nobody will ask for again (a request's
+        tail), which the store drops once read."""
         _check_timeout(timeout)
         expected = layout_from_proto(layout)
         fetched = FetchedBlocks()
-        call = self._stub.GetBlocks(
-            kvstore_pb2.GetBlocksRequest(layout=layout, keys=keys), timeout=timeout
-        )
+        request = kvstore_pb2.GetBlocksRequest(layout=layout, keys=keys, single_use=single_use)
+        call = self._stub.GetBlocks(request, timeout=timeout)
         async for response in call:
             # upb copies a bytes field on every access: each field is read once, here.
             received = [
