@@ -272,12 +272,21 @@ class PrefillSettings:
         "the kvstore to push blocks to (HOST:PORT); default: the kvstore replicas registered "
         "in --redis-url, each block to its owner by rendezvous hashing",
     )
+    kv_push_timeout: float = setting(
+        10.0,
+        "seconds a push of a prompt's blocks to a kvstore may take; a push that fails or "
+        "takes longer is given up (the decode worker recomputes those blocks)",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
+        check(
+            self.kv_push_timeout > 0,
+            f"--kv-push-timeout must be positive seconds, got {self.kv_push_timeout}",
+        )
         check(
             bool(self.kvstore or self.registry.redis.redis_url),
             "a prefill worker needs a kvstore: pass --kvstore HOST:PORT, or --redis-url to use "
@@ -301,12 +310,21 @@ class DecodeSettings:
         "names any other kvstore is refused",
         metavar="HOST:PORT",
     )
+    kv_fetch_timeout: float = setting(
+        10.0,
+        "seconds a fetch of a request's blocks from a kvstore may take; a fetch that fails or "
+        "takes longer costs only recomputing those blocks",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
+        check(
+            self.kv_fetch_timeout > 0,
+            f"--kv-fetch-timeout must be positive seconds, got {self.kv_fetch_timeout}",
+        )
         for address in self.kvstore:
             check_address(address, "--kvstore")
 

@@ -9,6 +9,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
+import grpc
+
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
 from services.common.kv_blocks import FetchedBlocks, block_checksum, block_problem
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
@@ -187,17 +189,29 @@ class KVStorePlacement:
             self._clients[address] = KVStoreClient(address, self.trust)
         return self._clients[address]
 
-    async def put(self, layout, blocks, addresses: Sequence[str], timeout: float) -> None:
-        """Push each exported block to its address, the replicas in parallel."""
+    async def put(
+        self, layout, blocks, addresses: Sequence[str], timeout: float
+    ) -> dict[str, grpc.aio.AioRpcError]:
+        """Push each exported block to its address, the replicas in parallel; the replicas
+        whose push failed (their blocks may be lost: a decode worker recomputes them), with
+        why. Errors other than gRPC's are raised."""
         groups = defaultdict(list)
         for block, address in zip(blocks, addresses, strict=True):
             groups[address].append((block.key, block.data, block.num_tokens))
-        await asyncio.gather(
+        results = await asyncio.gather(
             *(
                 self.client(address).put_blocks(layout, items, timeout=timeout)
                 for address, items in groups.items()
-            )
+            ),
+            return_exceptions=True,
         )
+        failed = {}
+        for address, result in zip(groups, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError):
+                failed[address] = result
+            elif isinstance(result, BaseException):
+                raise result
+        return failed
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
