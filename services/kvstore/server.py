@@ -221,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         KVStoreSettings,
         argv,
         "Serve the KV block store: prefill workers put a prompt's KV blocks, decode workers "
-        "get them; least recently used blocks go first when --capacity-bytes is full.",
+        "get them; least recently used blocks go first when --capacity-bytes is full, and a "
+        "block no get took within --block-lease expires.",
         start,
     )
 
