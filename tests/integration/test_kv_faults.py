@@ -29,7 +29,12 @@ from services.common.pb import (
 from services.common.wire import layout_to_proto
 from services.engine import LLM
 from tests.cluster import Cluster
-from tests.integration.test_block_integrity import decode_call, exported_blocks, stat_when_idle
+from tests.integration.test_block_integrity import (
+    decode_call,
+    exported_blocks,
+    fake_kvstore,
+    stat_when_idle,
+)
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,18 +128,22 @@ def prefill_engine(tiny_llama_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path, tmp_path_factory):
-    """A decode worker that fetches from ``fetch_kvstore`` within 1 s, and a prefill worker
-    that pushes to ``push_kvstore`` within 1 s; neither kvstore is up yet."""
+    """A decode worker that fetches from ``fetch_kvstore`` (or ``sound_kvstore``) within 1 s,
+    and a prefill worker that pushes to ``push_kvstore`` within 1 s; no kvstore is up yet."""
     c = Cluster(tmp_path_factory.mktemp("kv-faults-logs"))
     model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
     c.fetch_kvstore = f"127.0.0.1:{free_port()}"
     c.push_kvstore = f"127.0.0.1:{free_port()}"
+    # Never down: the worker's channel to a kvstore it found down backs off before it
+    # dials again (a fetch meanwhile fails at once and is recomputed).
+    c.sound_kvstore = f"127.0.0.1:{free_port()}"
     try:
         c.decode = c.start(
             "decode",
             "services.decode",
             *model,
-            *("--kvstore", c.fetch_kvstore, "--kv-fetch-timeout", "1"),
+            *("--kvstore", c.fetch_kvstore, "--kvstore", c.sound_kvstore),
+            *("--kv-fetch-timeout", "1"),
         )
         c.prefill = c.start(
             "prefill",
@@ -228,3 +237,32 @@ async def test_a_failing_push_still_answers_and_decode_recomputes(cluster, refer
             await check_recomputed(cluster, request, want, response.first_token_id)
     else:
         await check_recomputed(cluster, request, want, response.first_token_id)
+
+
+async def test_blocks_whose_push_failed_are_recomputed_the_rest_imported(
+    cluster, prefill_engine, tiny_llama_path
+):
+    """Replicas split the blocks and the push to one failed: its blocks' addresses are ""."""
+    prompt = [random.Random("partial").randrange(3, 512) for _ in range(PROMPT_LEN)]
+    (want,) = hf_greedy(tiny_llama_path, [prompt], MAX_NEW)
+    first, blocks = exported_blocks(prefill_engine, prompt, "partial")
+    good = cluster.sound_kvstore
+    request = decode_pb2.DecodeRequest(
+        request_id="partial",
+        prompt_token_ids=prompt,
+        params=params(),
+        first_token_id=first,
+        block_keys=[b.key for b in blocks],
+        kvstore_address=good,
+        block_kvstore_addresses=[good, good, "", good],
+        layout=layout_to_proto(prefill_engine.engine.block_layout()),
+    )
+    async with fake_kvstore(good) as (servicer, _):
+        servicer.blocks = {b.key: b for b in blocks}
+        tokens, last = await decode_call(cluster.decode.address, request)
+        assert servicer.asked == [blocks[0].key, blocks[1].key, blocks[3].key]
+    assert [first, *tokens] == want.tokens
+    assert (last.num_transferred_tokens, last.num_cached_tokens) == (32, 0)
+    stat = await stat_when_idle(cluster.decode.address)
+    assert stat.num_free_blocks == stat.num_total_blocks
+    assert cluster.unhandled_errors() == []
