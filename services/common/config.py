@@ -294,6 +294,11 @@ class PrefillSettings:
         "the kvstore to push blocks to (HOST:PORT); default: the kvstore replicas registered "
         "in --redis-url, each block to its owner by rendezvous hashing",
     )
+    kv_push_timeout: float = setting(
+        10.0,
+        "seconds a push of a prompt's blocks to a kvstore may take; a push that fails or "
+        "takes longer is given up (the decode worker recomputes those blocks)",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
@@ -301,6 +306,10 @@ class PrefillSettings:
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
+        check(
+            self.kv_push_timeout > 0,
+            f"--kv-push-timeout must be positive seconds, got {self.kv_push_timeout}",
+        )
         check(
             bool(self.kvstore or self.registry.redis.redis_url),
             "a prefill worker needs a kvstore: pass --kvstore HOST:PORT, or --redis-url to use "
@@ -324,6 +333,11 @@ class DecodeSettings:
         "names any other kvstore is refused",
         metavar="HOST:PORT",
     )
+    kv_fetch_timeout: float = setting(
+        10.0,
+        "seconds a fetch of a request's blocks from a kvstore may take; a fetch that fails or "
+        "takes longer costs only recomputing those blocks",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
@@ -331,6 +345,10 @@ class DecodeSettings:
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
+        check(
+            self.kv_fetch_timeout > 0,
+            f"--kv-fetch-timeout must be positive seconds, got {self.kv_fetch_timeout}",
+        )
         for address in self.kvstore:
             check_address(address, "--kvstore")
 
@@ -350,6 +368,11 @@ class KVStoreSettings:
         "the only block layout this kvstore stores, written as its log prints the layout of "
         "a first put (version=1,model_fingerprint=HEX,dtype=...); default: the first put's",
     )
+    block_lease: float = setting(
+        60.0,
+        "seconds a put block waits for its first get before it expires (the decode worker it "
+        "was pushed for never asked); a fetched block stays until LRU evicts it; 0: no lease",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
@@ -357,6 +380,10 @@ class KVStoreSettings:
     def __post_init__(self) -> None:
         size = size_setting("--capacity-bytes", self.capacity_bytes)
         check(size >= 1, f"--capacity-bytes must be positive, got {self.capacity_bytes}")
+        check(
+            self.block_lease >= 0,
+            f"--block-lease must be 0 (no lease) or positive seconds, got {self.block_lease}",
+        )
 
     @property
     def capacity(self) -> int:

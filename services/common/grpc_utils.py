@@ -19,9 +19,13 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 # Bytes of block data per streamed message.
 STREAM_CHUNK_BYTES = 4 * 2**20
 
+# A peer that stops answering (its host gone, its process frozen) is cut off within
+# keepalive time + timeout, 30 s, and its calls cancelled. grpc core times a keepalive ping
+# out by ping_timeout_ms (default 60 s), not by keepalive_timeout_ms alone: both are set.
 _KEEPALIVE = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]

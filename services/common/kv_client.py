@@ -9,6 +9,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
+import grpc
+
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
 from services.common.kv_blocks import FetchedBlocks, block_checksum, block_problem
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
@@ -100,17 +102,21 @@ class KVStoreClient:
         return await self._stub.PutBlocks(put_requests(layout, blocks, checksums), timeout=timeout)
 
     async def get_blocks(
-        self, layout: common_pb2.BlockLayout, keys: Sequence[bytes], timeout: float
+        self,
+        layout: common_pb2.BlockLayout,
+        keys: Sequence[bytes],
+        timeout: float,
+        single_use: Sequence[bytes] = (),
     ) -> FetchedBlocks:
         """The blocks under ``keys``: those whose header, length and checksum are those of a
         sound block of ``layout``, those that are not (``rejected``, with why), and the keys
-        the store does not have."""
+        the store does not have. ``single_use``: keys nobody will ask for again (a request's
+        tail), which the store drops once read."""
         _check_timeout(timeout)
         expected = layout_from_proto(layout)
         fetched = FetchedBlocks()
-        call = self._stub.GetBlocks(
-            kvstore_pb2.GetBlocksRequest(layout=layout, keys=keys), timeout=timeout
-        )
+        request = kvstore_pb2.GetBlocksRequest(layout=layout, keys=keys, single_use=single_use)
+        call = self._stub.GetBlocks(request, timeout=timeout)
         async for response in call:
             # upb copies a bytes field on every access: each field is read once, here.
             received = [
@@ -183,17 +189,29 @@ class KVStorePlacement:
             self._clients[address] = KVStoreClient(address, self.trust)
         return self._clients[address]
 
-    async def put(self, layout, blocks, addresses: Sequence[str], timeout: float) -> None:
-        """Push each exported block to its address, the replicas in parallel."""
+    async def put(
+        self, layout, blocks, addresses: Sequence[str], timeout: float
+    ) -> dict[str, grpc.aio.AioRpcError]:
+        """Push each exported block to its address, the replicas in parallel; the replicas
+        whose push failed (their blocks may be lost: a decode worker recomputes them), with
+        why. Errors other than gRPC's are raised."""
         groups = defaultdict(list)
         for block, address in zip(blocks, addresses, strict=True):
             groups[address].append((block.key, block.data, block.num_tokens))
-        await asyncio.gather(
+        results = await asyncio.gather(
             *(
                 self.client(address).put_blocks(layout, items, timeout=timeout)
                 for address, items in groups.items()
-            )
+            ),
+            return_exceptions=True,
         )
+        failed = {}
+        for address, result in zip(groups, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError):
+                failed[address] = result
+            elif isinstance(result, BaseException):
+                raise result
+        return failed
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

@@ -1,8 +1,14 @@
 """The decode worker: a prefilled request in, a stream of tokens out.
 
 Blocks the worker's own prefix cache holds are not fetched; the rest come from the
-kvstore; a block the kvstore no longer has, or one whose header, length or checksum is
-wrong, is recomputed here. Without a first token (colocated mode) the worker prefills the
+kvstore; a block the kvstore no longer has, one whose header, length or checksum is
+wrong, and every block of a kvstore whose fetch fails (an error, past
+``--kv-fetch-timeout``, down) is recomputed here: a kvstore fault costs a recompute, never
+the request. The request's tail block is fetched single-use (the kvstore drops it once
+read). A caller that goes away cancels the call, and the request's blocks are freed at
+once: a dead process's sockets are closed by its kernel, and a peer that vanished without
+closing (its host gone, the process frozen) misses the keepalive ping
+(``grpc_utils._KEEPALIVE``: every 20 s, 10 s to answer), so within 30 s. Without a first token (colocated mode) the worker prefills the
 prompt itself. The worker dials only kvstores it knows, registered in Redis or given by
 ``--kvstore``: a request naming another is refused before any connection (the worker would
 send it the internal token).
@@ -21,7 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from services.common.config import DecodeSettings
-from services.common.kv_blocks import FetchedBlocks, LayoutMismatch, show_key
+from services.common.kv_blocks import FetchedBlocks, LayoutMismatch, show_key, tail_key
 from services.common.kv_client import KVStoreClient
 from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.common.registry_view import RegistryView
@@ -40,8 +46,6 @@ from services.worker.runtime import error_status, serve_engine, start_engine
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Decode"
-# A replica that is gone or slow costs a recompute here, not the request.
-_RECOMPUTE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _MAX_SEEN_KVSTORES = 4096
 
 
@@ -89,7 +93,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         engine: AsyncEngine,
         kvstores: KnownKVStores,
         trust: Trust | None = None,
-        fetch_timeout_s: float = 30.0,
+        fetch_timeout_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.layout = engine.info.layout
@@ -108,16 +112,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         clients, self._kvstores = list(self._kvstores.values()), {}
         await asyncio.gather(*(c.close() for c in clients))
 
-    async def _fetch(self, keys: list[bytes], addresses: list[str]) -> FetchedBlocks:
-        """The blocks under ``keys`` from their kvstores (each replica in parallel), each
-        checked against this worker's layout and its checksum."""
+    async def _fetch(
+        self, request_id: str, keys: list[bytes], addresses: list[str]
+    ) -> FetchedBlocks:
+        """The blocks under ``keys`` from their kvstores (each replica in parallel; an
+        address "" was never pushed), each checked against this worker's layout and its
+        checksum. A replica whose fetch fails, whatever the gRPC error, gives nothing: its
+        blocks are recomputed."""
         by_address: dict[str, list[bytes]] = {}
         for key, address in zip(keys, addresses, strict=True):
-            by_address.setdefault(address, []).append(key)
+            if address:
+                by_address.setdefault(address, []).append(key)
+        tail = tail_key(request_id)
         results = await asyncio.gather(
             *(
                 self._kvstore(address).get_blocks(
-                    self.layout_proto, wanted, timeout=self.fetch_timeout_s
+                    self.layout_proto,
+                    wanted,
+                    timeout=self.fetch_timeout_s,
+                    single_use=[tail] if tail in wanted else [],
                 )
                 for address, wanted in by_address.items()
             ),
@@ -125,8 +138,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
         fetched = FetchedBlocks()
         for address, result in zip(by_address, results, strict=True):
-            if isinstance(result, grpc.aio.AioRpcError) and result.code() in _RECOMPUTE_ON:
-                logger.warning("kvstore %s: %s; recomputing its blocks", address, result.code())
+            if isinstance(result, grpc.aio.AioRpcError):
+                logger.warning(
+                    "request %s: fetch from kvstore %s failed (%s: %s); recomputing its %d blocks",
+                    request_id,
+                    address,
+                    result.code().name,
+                    result.details(),
+                    len(by_address[address]),
+                )
                 continue
             if isinstance(result, BaseException):
                 raise result
@@ -182,7 +202,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         async def fetch(num_local: int) -> FetchedBlocks:
             if not request.kvstore_address and not request.block_kvstore_addresses:
                 return FetchedBlocks()
-            return await self._fetch(keys[num_local:], addresses[num_local:])
+            return await self._fetch(request.request_id, keys[num_local:], addresses[num_local:])
 
         first_logprob = (
             logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
@@ -242,7 +262,8 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
         await view.start()
         resources.push_async_callback(view.close)
-    servicer = DecodeServicer(engine, KnownKVStores(settings.kvstore, view), trust)
+    kvstores = KnownKVStores(settings.kvstore, view)
+    servicer = DecodeServicer(engine, kvstores, trust, settings.kv_fetch_timeout)
     resources.push_async_callback(servicer.close)
     return await serve_engine(
         settings,

@@ -1,13 +1,17 @@
 """The kvstore service: streamed puts and gets of KV blocks over one in-memory BlockStore.
 
-pdserve kvstore --port 50061 --capacity-bytes 2GiB [--redis-url URL] [--block-layout L]
+pdserve kvstore --port 50061 --capacity-bytes 2GiB [--block-lease 60] [--redis-url URL]
+                [--block-layout L]
 
 The store's block layout is ``--block-layout``, or the first put's; with an internal
-token, only a caller holding it can make that first put.
+token, only a caller holding it can make that first put. A block no get has taken within
+``--block-lease`` seconds of its put expires (a timer looks every quarter lease, at most
+every 5 s, so it goes within 1.25 leases); a get drops the blocks it names single-use.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sys
@@ -91,8 +95,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         found: list[tuple[bytes, StoredBlock]] = []
         missing: list[bytes] = []
+        single_use = set(request.single_use)
         for key in request.keys:
-            stored = self._store.get(layout, key)
+            stored = self._store.get(layout, key, single_use=key in single_use)
             if stored is None:
                 missing.append(key)
             else:
@@ -108,6 +113,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request: kvstore_pb2.StatRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.StatResponse:
         s = self._store
+        s.expire()
         return kvstore_pb2.StatResponse(
             num_blocks=s.num_blocks,
             bytes_used=s.bytes_used,
@@ -119,7 +125,24 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             hits=s.hits,
             misses=s.misses,
             evictions=s.evictions,
+            expired=s.expired,
+            dropped=s.dropped,
+            num_leased=s.num_leased,
         )
+
+
+async def expire_leases(store: BlockStore, period_s: float) -> None:
+    """Every ``period_s``, drop the blocks whose lease has ended (until cancelled)."""
+    while True:
+        await asyncio.sleep(period_s)
+        n = store.expire()
+        if n:
+            logger.debug("expired %d blocks no get took within their lease", n)
+
+
+def lease_check_period(lease_s: float) -> float:
+    """How often the lease timer looks: a quarter lease, within [50 ms, 5 s]."""
+    return min(max(lease_s / 4, 0.05), 5.0)
 
 
 def _check_header(block: common_pb2.Block, stream_layout: common_pb2.BlockLayout) -> None:
@@ -158,7 +181,8 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
     """A kvstore of ``--capacity-bytes`` serving on its port, registered when --redis-url."""
     trust = load_trust(settings.security)
     layout = layout_from_text(settings.block_layout) if settings.block_layout else None
-    store = BlockStore(settings.capacity, layout)
+    lease = settings.block_lease or None
+    store = BlockStore(settings.capacity, layout, lease)
     servicer = KVStoreServicer(store)
     host = settings.server.host
     server, port = await start_server(  # OSError when it cannot bind
@@ -169,10 +193,14 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         token=trust.token,
     )
     resources.push_async_callback(server.stop, None)
+    if lease is not None:
+        timer = asyncio.create_task(expire_leases(store, lease_check_period(lease)))
+        resources.callback(timer.cancel)
     logger.info(
-        "kvstore on %s, capacity %d bytes, block layout %s; %s",
+        "kvstore on %s, capacity %d bytes, block lease %s, block layout %s; %s",
         host_port(host, port),
         store.capacity_bytes,
+        f"{lease:g} s" if lease else "off",
         layout_to_text(layout) if layout else "from the first put",
         trust.describe(),
     )
@@ -193,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         KVStoreSettings,
         argv,
         "Serve the KV block store: prefill workers put a prompt's KV blocks, decode workers "
-        "get them; least recently used blocks go first when --capacity-bytes is full.",
+        "get them; least recently used blocks go first when --capacity-bytes is full, and a "
+        "block no get took within --block-lease expires.",
         start,
     )
 

@@ -1,5 +1,10 @@
 """BlockStore: KV blocks in memory up to a byte capacity, least recently used out first.
 
+A block nobody has fetched yet holds a lease: if no get takes it within ``lease_s`` of
+its (last) put, it expires, for the decode worker it was pushed for will never ask. Once
+fetched, a block is a shared prefix like any other and leaves only by LRU, unless the get
+named it single-use (a request's tail block), which drops it once read.
+
 Pure Python, no gRPC: keys and values are ``bytes``; the ``bytes`` objects handed in
 are kept as they are, never copied.
 """
@@ -8,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 from services.common.kv_blocks import BlockLayout, LayoutMismatch
@@ -28,15 +35,32 @@ class BlockStore:
     The layout is fixed for the life of the store (a new model means a new kvstore): given
     at construction, or by the first put; puts and gets with another layout raise
     LayoutMismatch and change nothing.
+
+    ``lease_s``: seconds a put block waits for its first get before it expires (None: no
+    lease, only LRU). Expiry happens in ``expire`` (called by every put, get and by the
+    server's timer), by ``clock`` (monotonic seconds).
     """
 
-    def __init__(self, capacity_bytes: int, layout: BlockLayout | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        layout: BlockLayout | None = None,
+        lease_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"the store's capacity must be at least 1 byte, got {capacity_bytes}")
+        if lease_s is not None and not lease_s > 0:
+            raise ValueError(f"a block lease must be positive seconds or None, got {lease_s!r}")
         self.capacity_bytes = capacity_bytes
         self.layout = layout
+        self.lease_s = lease_s
+        self._clock = clock
         # Least recently used first.
         self._blocks: OrderedDict[bytes, StoredBlock] = OrderedDict()
+        # Blocks never fetched since their last put -> when their lease ends; soonest first
+        # (every lease has the same length, and a put moves its key to the end).
+        self._leases: OrderedDict[bytes, float] = OrderedDict()
         self.bytes_used = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -45,10 +69,17 @@ class BlockStore:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.expired = 0  # leases that ended with no get
+        self.dropped = 0  # single-use blocks dropped once read
 
     @property
     def num_blocks(self) -> int:
         return len(self._blocks)
+
+    @property
+    def num_leased(self) -> int:
+        """Blocks put and not fetched since (each expires at the end of its lease)."""
+        return len(self._leases)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -76,7 +107,9 @@ class BlockStore:
         num_tokens: int,
         checksum: int | None = None,
     ) -> None:
-        """Store (or replace) a block as most recently used, evicting LRU blocks to fit."""
+        """Store (or replace) a block as most recently used, evicting LRU blocks to fit. A new
+        block gets a lease, as does one put again before its first get; a block fetched
+        before keeps none (it is a shared prefix)."""
         self.check_layout(layout)
         if not key:
             raise ValueError("every block needs a non-empty key")
@@ -88,30 +121,60 @@ class BlockStore:
         if self.layout is None:
             self.layout = layout
             logger.info("block layout fixed by the first put: %s", layout_to_text(layout))
+        self.expire()
         old = self._blocks.pop(key, None)
         if old is not None:
             self.bytes_used -= len(old.data)
         while self.bytes_used + len(data) > self.capacity_bytes:
-            _, evicted = self._blocks.popitem(last=False)
+            evicted_key, evicted = self._blocks.popitem(last=False)
+            self._leases.pop(evicted_key, None)
             self.bytes_used -= len(evicted.data)
             self.evictions += 1
         self._blocks[key] = StoredBlock(data, num_tokens, checksum)
+        if self.lease_s is not None and (old is None or key in self._leases):
+            self._leases.pop(key, None)
+            self._leases[key] = self._clock() + self.lease_s
         self.bytes_used += len(data)
         self.bytes_in += len(data)
         self.blocks_in += 1
 
-    def get(self, layout: BlockLayout, key: bytes) -> StoredBlock | None:
-        """The block under ``key``, now most recently used; None (a miss) if absent."""
+    def get(self, layout: BlockLayout, key: bytes, single_use: bool = False) -> StoredBlock | None:
+        """The block under ``key``, now most recently used and leased no more; None (a miss)
+        if absent. ``single_use``: nobody will ask for it again, drop it now."""
         self.check_layout(layout)
+        self.expire()
         block = self._blocks.get(key)
         if block is None:
             self.misses += 1
             return None
-        self._blocks.move_to_end(key)
+        self._leases.pop(key, None)
+        if single_use:
+            self._remove(key)
+            self.dropped += 1
+        else:
+            self._blocks.move_to_end(key)
         self.hits += 1
         self.bytes_out += len(block.data)
         self.blocks_out += 1
         return block
+
+    def expire(self) -> int:
+        """Drop the blocks whose lease has ended unfetched; how many."""
+        now = self._clock()
+        n = 0
+        while self._leases:
+            key, deadline = next(iter(self._leases.items()))
+            if deadline > now:
+                break
+            del self._leases[key]
+            self._remove(key)
+            n += 1
+        self.expired += n
+        return n
+
+    def _remove(self, key: bytes) -> None:
+        block = self._blocks.pop(key)
+        self.bytes_used -= len(block.data)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the byte accounting disagrees with the blocks held (a bug)."""
@@ -120,6 +183,13 @@ class BlockStore:
             raise RuntimeError(
                 f"bug: BlockStore accounts {self.bytes_used} bytes, holds {held}, "
                 f"capacity {self.capacity_bytes}"
+            )
+        stray = [k for k in self._leases if k not in self._blocks]
+        deadlines = list(self._leases.values())
+        if stray or deadlines != sorted(deadlines):
+            raise RuntimeError(
+                f"bug: BlockStore leases {len(stray)} blocks it does not hold, or its leases "
+                "are out of order"
             )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import grpc
 
 from services.common.config import PrefillSettings
+from services.common.kv_blocks import ExportedBlock
 from services.common.kv_client import KVStorePlacement
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.registry_view import RegistryView
@@ -32,7 +33,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Batches prompts through its engine (chunked prefill, prefix cache), then pushes blocks."""
 
     def __init__(
-        self, engine: AsyncEngine, kvstores: KVStorePlacement, push_timeout_s: float = 30.0
+        self, engine: AsyncEngine, kvstores: KVStorePlacement, push_timeout_s: float = 10.0
     ) -> None:
         self.engine = engine
         self.kvstores = kvstores
@@ -57,13 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if last.finish_reason == "error":
             await context.abort(*error_status(request.request_id, last.error))
         blocks = last.exported or []  # only a PREFILLED request has any
-        addresses: list[str] = []
-        if blocks:
-            try:
-                addresses = self.kvstores.owners([b.key for b in blocks])
-            except LookupError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            await self.kvstores.put(self.layout, blocks, addresses, self.push_timeout_s)
+        addresses = await self._push(request.request_id, blocks) if blocks else []
         response = prefill_pb2.PrefillResponse(
             first_token_id=last.token_ids[0],
             block_keys=[b.key for b in blocks],
@@ -78,6 +73,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             response.first_logprob.CopyFrom(logprob_to_proto(last.logprobs[0]))
         return response
 
+    async def _push(self, request_id: str, blocks: list[ExportedBlock]) -> list[str]:
+        """Push ``blocks`` to their kvstores; each block's address, "" where its push failed
+        (the decode worker recomputes those blocks: a kvstore fault costs no request)."""
+        try:
+            addresses = self.kvstores.owners([b.key for b in blocks])
+        except LookupError as e:
+            logger.warning("request %s: blocks not pushed: %s", request_id, e)
+            return [""] * len(blocks)
+        failed = await self.kvstores.put(self.layout, blocks, addresses, self.push_timeout_s)
+        for address, error in failed.items():
+            logger.warning(
+                "request %s: push to kvstore %s failed (%s: %s); the decode worker will "
+                "recompute its blocks",
+                request_id,
+                address,
+                error.code().name,
+                error.details(),
+            )
+        return ["" if a in failed else a for a in addresses]
+
 
 async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """Load the engine, find the kvstore(s), serve."""
@@ -89,7 +104,8 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
         await view.start()
         resources.push_async_callback(view.close)
-    servicer = PrefillServicer(engine, KVStorePlacement(settings.kvstore, view, trust))
+    placement = KVStorePlacement(settings.kvstore, view, trust)
+    servicer = PrefillServicer(engine, placement, settings.kv_push_timeout)
     resources.push_async_callback(servicer.kvstores.close)
     return await serve_engine(
         settings,

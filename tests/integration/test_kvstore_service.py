@@ -1,9 +1,12 @@
-"""The kvstore as a real process over 127.0.0.1: streamed put/get, LRU, layout checks, health."""
+"""The kvstore as a real process over 127.0.0.1: streamed put/get, LRU, leases, single-use
+blocks, layout checks, health."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
+import time
 
 import grpc
 import pytest
@@ -140,6 +143,82 @@ async def test_lru_eviction_under_capacity_seen_through_stat_and_get(client):
     )
     assert sorted(fetched.found) == [b"lru-new/0", b"lru/0", b"lru/2"]
     assert fetched.missing == [b"lru/1"]
+
+
+# -- leases and single-use blocks ----------------------------------------------------------
+
+LEASE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def leased_kvstore(launcher) -> Child:
+    argv = [*KVSTORE, "--capacity-bytes", str(CAPACITY), "--block-lease", str(LEASE_S)]
+    return launcher.start_ready("kvstore-leased", argv, ["kvstore"], timeout=30)
+
+
+async def stat_until(client: KVStoreClient, done, within_s: float) -> kvstore_pb2.StatResponse:
+    """The store's Stat once ``done(stat)`` holds; fails after ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        stat = await client.stat(timeout=TIMEOUT)
+        if done(stat):
+            return stat
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s} s: {stat}")
+        await asyncio.sleep(0.05)
+
+
+async def test_blocks_nobody_fetched_expire_and_fetched_ones_stay(leased_kvstore):
+    async with KVStoreClient(leased_kvstore.address) as client:
+        before = await client.stat(timeout=TIMEOUT)
+        shared, abandoned = blocks("shared", 2), blocks("abandoned", 3)
+        await client.put_blocks(LAYOUT, [*shared, *abandoned], timeout=TIMEOUT)
+        fetched = await client.get_blocks(LAYOUT, [k for k, _, _ in shared], timeout=TIMEOUT)
+        assert len(fetched.found) == 2
+        assert (await client.stat(timeout=TIMEOUT)).num_leased == before.num_leased + 3
+
+        # The timer looks every quarter lease: gone within 1.25 leases (the bound checked
+        # here leaves room for a loaded machine).
+        after = await stat_until(
+            client, lambda s: s.expired == before.expired + 3, within_s=LEASE_S * 10
+        )
+        assert (after.num_blocks, after.num_leased) == (before.num_blocks + 2, before.num_leased)
+        assert after.bytes_used == before.bytes_used + 2 * MiB
+        assert after.evictions == before.evictions
+        keys = [k for k, _, _ in [*shared, *abandoned]]
+        fetched = await client.get_blocks(LAYOUT, keys, timeout=TIMEOUT)
+        assert sorted(fetched.found) == [b"shared/0", b"shared/1"]
+        assert fetched.missing == [b"abandoned/0", b"abandoned/1", b"abandoned/2"]
+
+
+async def test_a_single_use_block_is_dropped_once_fetched(leased_kvstore):
+    async with KVStoreClient(leased_kvstore.address) as client:
+        before = await client.stat(timeout=TIMEOUT)
+        sent = blocks("req", 2)
+        tail = (b"tail/req", bytes([9]) * MiB, 5)
+        await client.put_blocks(LAYOUT, [*sent, tail], timeout=TIMEOUT)
+        keys = [b"req/0", b"req/1", b"tail/req"]
+        fetched = await client.get_blocks(LAYOUT, keys, timeout=TIMEOUT, single_use=[b"tail/req"])
+        assert fetched.found == {k: d for k, d, _ in [*sent, tail]}
+        after = await client.stat(timeout=TIMEOUT)
+        assert after.dropped - before.dropped == 1
+        assert (after.num_blocks, after.num_leased) == (before.num_blocks + 2, before.num_leased)
+        assert after.bytes_used == before.bytes_used + 2 * MiB
+        again = await client.get_blocks(LAYOUT, keys, timeout=TIMEOUT, single_use=[b"tail/req"])
+        assert (sorted(again.found), again.missing) == ([b"req/0", b"req/1"], [b"tail/req"])
+
+
+async def test_block_lease_zero_turns_leases_off(launcher):
+    argv = [*KVSTORE, "--capacity-bytes", "4MiB", "--block-lease", "0"]
+    child = launcher.start_ready("kvstore-no-lease", argv, ["kvstore"], timeout=30)
+    try:
+        async with KVStoreClient(child.address) as client:
+            await client.put_blocks(LAYOUT, blocks("kept", 1), timeout=TIMEOUT)
+            stat = await client.stat(timeout=TIMEOUT)
+            assert (stat.num_blocks, stat.num_leased, stat.expired) == (1, 0, 0)
+        assert "block lease off" in child.log_text()
+    finally:
+        launcher.stop([child], 10)
 
 
 # -- refusals -----------------------------------------------------------------------------

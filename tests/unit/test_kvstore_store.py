@@ -205,3 +205,98 @@ def test_batches_hold_at_most_max_bytes_and_a_larger_item_goes_alone():
     assert list(batched_by_bytes(sizes, lambda n: n, 4)) == [[3], [3], [2], [5], [1], [4], [4]]
     assert list(batched_by_bytes(sizes, lambda n: n, 8)) == [[3, 3, 2], [5, 1], [4, 4]]
     assert list(batched_by_bytes([], lambda n: n, 8)) == []
+
+
+# -- leases and single-use blocks ---------------------------------------------------------
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def leased_store(capacity: int = 100, lease_s: float = 10.0) -> tuple[BlockStore, Clock]:
+    clock = Clock()
+    return BlockStore(capacity, lease_s=lease_s, clock=clock), clock
+
+
+def test_a_block_nobody_fetches_expires_at_the_end_of_its_lease():
+    store, clock = leased_store()
+    put(store, b"a", 10)
+    clock.now += 5
+    put(store, b"b", 10)
+    assert store.num_leased == 2
+    clock.now += 4.9
+    assert store.expire() == 0
+    clock.now += 0.1  # a's lease (10 s) is over, b's has 5 s left
+    assert store.expire() == 1
+    assert store.lru_order() == [b"b"]
+    assert (store.expired, store.num_leased, store.bytes_used) == (1, 1, 10)
+    clock.now += 5
+    assert get(store, b"b") is None  # a get expires first: b's lease ended just now
+    assert (store.expired, store.num_blocks, store.bytes_used, store.misses) == (2, 0, 0, 1)
+    store.check_integrity()
+
+
+def test_a_fetched_block_is_a_shared_prefix_kept_under_lru_only():
+    store, clock = leased_store()
+    put(store, b"a", 10)
+    assert get(store, b"a") is not None
+    assert store.num_leased == 0
+    put(store, b"a", 10)  # another request pushes the same prefix: still no lease
+    clock.now += 1000
+    assert store.expire() == 0
+    assert store.lru_order() == [b"a"] and store.expired == 0
+    store.check_integrity()
+
+
+def test_a_put_again_before_any_get_renews_the_lease():
+    store, clock = leased_store()
+    put(store, b"a", 10)
+    put(store, b"b", 10)
+    clock.now += 8
+    put(store, b"a", 10)  # a's lease now ends at +18, after b's
+    clock.now += 2
+    assert store.expire() == 1
+    assert store.lru_order() == [b"a"]
+    clock.now += 8
+    assert store.expire() == 1 and store.num_blocks == 0
+    store.check_integrity()
+
+
+def test_an_evicted_block_loses_its_lease_and_is_not_counted_expired():
+    store, clock = leased_store(capacity=20)
+    put(store, b"a", 10)
+    put(store, b"b", 10)
+    put(store, b"c", 10)  # evicts a
+    assert (store.evictions, store.num_leased) == (1, 2)
+    clock.now += 10
+    assert store.expire() == 2
+    assert (store.expired, store.num_blocks, store.bytes_used) == (2, 0, 0)
+    store.check_integrity()
+
+
+def test_a_single_use_get_drops_the_block_once_read():
+    store, _ = leased_store()
+    data = put(store, b"tail/r1", 10, num_tokens=3)
+    put(store, b"h", 10)
+    block = store.get(LAYOUT, b"tail/r1", single_use=True)
+    assert block == StoredBlock(data, 3)
+    assert store.lru_order() == [b"h"]
+    assert (store.dropped, store.hits, store.blocks_out, store.bytes_out) == (1, 1, 1, 10)
+    assert store.get(LAYOUT, b"tail/r1", single_use=True) is None  # a miss, not a drop
+    assert (store.dropped, store.misses, store.bytes_used, store.num_leased) == (1, 1, 10, 1)
+    store.check_integrity()
+
+
+def test_without_a_lease_nothing_expires():
+    store = BlockStore(100)
+    put(store, b"a", 10)
+    assert (store.num_leased, store.expire()) == (0, 0)
+    with pytest.raises(ValueError, match="positive seconds or None, got 0"):
+        BlockStore(100, lease_s=0)

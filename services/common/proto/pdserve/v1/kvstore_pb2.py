@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"^\n\x10PutBlocksRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.pdserve.v1.Block\"=\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0c\x62ytes_stored\x18\x02 \x01(\x04\"I\n\x10GetBlocksRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"G\n\x11GetBlocksResponse\x12!\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Block\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"\r\n\x0bStatRequest\"\xcb\x01\n\x0cStatResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x12\n\nbytes_used\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x11\n\tblocks_in\x18\x06 \x01(\x04\x12\x12\n\nblocks_out\x18\x07 \x01(\x04\x12\x0c\n\x04hits\x18\x08 \x01(\x04\x12\x0e\n\x06misses\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x32\xdc\x01\n\x07KVStore\x12J\n\tPutBlocks\x12\x1c.pdserve.v1.PutBlocksRequest\x1a\x1d.pdserve.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.pdserve.v1.GetBlocksRequest\x1a\x1d.pdserve.v1.GetBlocksResponse0\x01\x12\x39\n\x04Stat\x12\x17.pdserve.v1.StatRequest\x1a\x18.pdserve.v1.StatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"^\n\x10PutBlocksRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.pdserve.v1.Block\"=\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0c\x62ytes_stored\x18\x02 \x01(\x04\"]\n\x10GetBlocksRequest\x12\'\n\x06layout\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\nsingle_use\x18\x03 \x03(\x0c\"G\n\x11GetBlocksResponse\x12!\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Block\x12\x0f\n\x07missing\x18\x02 \x03(\x0c\"\r\n\x0bStatRequest\"\x81\x02\n\x0cStatResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x12\n\nbytes_used\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x11\n\tblocks_in\x18\x06 \x01(\x04\x12\x12\n\nblocks_out\x18\x07 \x01(\x04\x12\x0c\n\x04hits\x18\x08 \x01(\x04\x12\x0e\n\x06misses\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x0b \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x0c \x01(\x04\x12\x12\n\nnum_leased\x18\r \x01(\x04\x32\xdc\x01\n\x07KVStore\x12J\n\tPutBlocks\x12\x1c.pdserve.v1.PutBlocksRequest\x1a\x1d.pdserve.v1.PutBlocksResponse(\x01\x12J\n\tGetBlocks\x12\x1c.pdserve.v1.GetBlocksRequest\x1a\x1d.pdserve.v1.GetBlocksResponse0\x01\x12\x39\n\x04Stat\x12\x17.pdserve.v1.StatRequest\x1a\x18.pdserve.v1.StatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTBLOCKSRESPONSE']._serialized_start=161
   _globals['_PUTBLOCKSRESPONSE']._serialized_end=222
   _globals['_GETBLOCKSREQUEST']._serialized_start=224
-  _globals['_GETBLOCKSREQUEST']._serialized_end=297
-  _globals['_GETBLOCKSRESPONSE']._serialized_start=299
-  _globals['_GETBLOCKSRESPONSE']._serialized_end=370
-  _globals['_STATREQUEST']._serialized_start=372
-  _globals['_STATREQUEST']._serialized_end=385
-  _globals['_STATRESPONSE']._serialized_start=388
-  _globals['_STATRESPONSE']._serialized_end=591
-  _globals['_KVSTORE']._serialized_start=594
-  _globals['_KVSTORE']._serialized_end=814
+  _globals['_GETBLOCKSREQUEST']._serialized_end=317
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=319
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=390
+  _globals['_STATREQUEST']._serialized_start=392
+  _globals['_STATREQUEST']._serialized_end=405
+  _globals['_STATRESPONSE']._serialized_start=408
+  _globals['_STATRESPONSE']._serialized_end=665
+  _globals['_KVSTORE']._serialized_start=668
+  _globals['_KVSTORE']._serialized_end=888
 # @@protoc_insertion_point(module_scope)

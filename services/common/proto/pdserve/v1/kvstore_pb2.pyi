@@ -24,12 +24,14 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, num_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("layout", "keys")
+    __slots__ = ("layout", "keys", "single_use")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_USE_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.BlockLayout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    single_use: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., single_use: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
     __slots__ = ("blocks", "missing")
@@ -44,7 +46,7 @@ class StatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("num_blocks", "bytes_used", "capacity_bytes", "bytes_in", "bytes_out", "blocks_in", "blocks_out", "hits", "misses", "evictions")
+    __slots__ = ("num_blocks", "bytes_used", "capacity_bytes", "bytes_in", "bytes_out", "blocks_in", "blocks_out", "hits", "misses", "evictions", "expired", "dropped", "num_leased")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,9 @@ class StatResponse(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     bytes_used: int
     capacity_bytes: int
@@ -65,4 +70,7 @@ class StatResponse(_message.Message):
     hits: int
     misses: int
     evictions: int
-    def __init__(self, num_blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., blocks_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    expired: int
+    dropped: int
+    num_leased: int
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., blocks_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., expired: _Optional[int] = ..., dropped: _Optional[int] = ..., num_leased: _Optional[int] = ...) -> None: ...

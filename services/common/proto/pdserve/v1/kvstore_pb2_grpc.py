@@ -27,6 +27,8 @@ if _version_not_supported:
 
 class KVStoreStub:
     """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first.
+    A block that no GetBlocks has taken within the store's lease (--block-lease) of its put
+    expires; once taken, it stays until LRU evicts it, unless the get named it single-use.
     """
 
     def __init__(self, channel):
@@ -54,6 +56,8 @@ class KVStoreStub:
 
 class KVStoreServicer:
     """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first.
+    A block that no GetBlocks has taken within the store's lease (--block-lease) of its put
+    expires; once taken, it stays until LRU evicts it, unless the get named it single-use.
     """
 
     def PutBlocks(self, request_iterator, context):
@@ -104,6 +108,8 @@ def add_KVStoreServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVStore:
     """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first.
+    A block that no GetBlocks has taken within the store's lease (--block-lease) of its put
+    expires; once taken, it stays until LRU evicts it, unless the get named it single-use.
     """
 
     @staticmethod

@@ -1,0 +1,103 @@
+"""A decode worker frees the blocks of a request whose caller went away, within a bound: a
+real client process in the middle of a long Decode stream is SIGKILLed (its kernel closes
+the connection: gRPC cancels the call at once), or SIGSTOPped (nothing closes: the server's
+keepalive ping, every 20 s with 10 s to answer, ends the connection within 30 s). Either way
+the worker's free blocks return to their starting count well before the request would
+have finished."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.common.grpc_utils import aio_channel
+from services.common.pb import decode_pb2, decode_pb2_grpc
+from tests.cluster import ROOT, Cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+# Long enough that the request runs for minutes if nothing cancels it (SmolLM2 on the CPU).
+MAX_TOKENS = 3000
+NUM_KV_BLOCKS = 256  # the request needs about 190
+KILLED_BOUND_S = 5.0  # the connection closes with the process; the abort waits one step
+KEEPALIVE_BOUND_S = 30.0 + 10.0  # keepalive time + timeout, and room for a loaded machine
+
+CLIENT = """
+import sys
+import grpc
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+
+channel = grpc.insecure_channel(sys.argv[1])
+request = decode_pb2.DecodeRequest(
+    request_id=sys.argv[2],
+    prompt_token_ids=list(range(100, 150)),
+    params=common_pb2.SamplingParams(max_tokens=int(sys.argv[3]), temperature=0, ignore_eos=True),
+)
+for i, _ in enumerate(decode_pb2_grpc.DecodeStub(channel).Decode(request, timeout=600)):
+    if i == 2:
+        print("STREAMING", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def decode(smollm2_path, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("decode-cancel-logs"))
+    try:
+        model = ["--model", str(smollm2_path), "--dtype", "float32", "--max-model-len", "4096"]
+        yield c, c.start("decode", "services.decode", *model, "--num-kv-blocks", str(NUM_KV_BLOCKS))
+    finally:
+        c.stop_all()
+
+
+async def stat(address: str) -> decode_pb2.DecodeStatResponse:
+    async with aio_channel(address) as channel:
+        return await decode_pb2_grpc.DecodeStub(channel).Stat(
+            decode_pb2.DecodeStatRequest(), timeout=10
+        )
+
+
+async def seconds_until_idle(address: str, within_s: float) -> float:
+    """Seconds until nothing runs and every block is free; fails after ``within_s``."""
+    start = time.monotonic()
+    while True:
+        s = await stat(address)
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
+            return time.monotonic() - start
+        if time.monotonic() - start > within_s:
+            raise AssertionError(f"blocks not freed within {within_s} s: {s}")
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("sig", "bound_s"),
+    [(signal.SIGKILL, KILLED_BOUND_S), (signal.SIGSTOP, KEEPALIVE_BOUND_S)],
+    ids=["killed", "frozen"],
+)
+async def test_blocks_of_a_vanished_caller_are_freed_within_the_bound(decode, sig, bound_s):
+    cluster, worker = decode
+    before = await stat(worker.address)
+    assert before.num_free_blocks == before.num_total_blocks == NUM_KV_BLOCKS
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, worker.address, f"vanish-{sig.name}", str(MAX_TOKENS)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(client.stdout.readline), timeout=120)
+        assert line.strip() == "STREAMING", line
+        during = await stat(worker.address)
+        assert during.num_running == 1
+        assert during.num_free_blocks < during.num_total_blocks
+        client.send_signal(sig)
+        await seconds_until_idle(worker.address, bound_s)
+    finally:
+        client.kill()
+        client.wait(timeout=10)
+        client.stdout.close()
+    assert cluster.unhandled_errors() == []
