@@ -174,7 +174,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 )
             return None
         theirs = layout_from_proto(request.layout)
-        if request.block_keys and theirs != self.layout:
+        # A migrated colocated stream has a first token but no blocks and no layout.
+        given = request.HasField("layout") or bool(request.block_keys)
+        if given and theirs != self.layout:
             error = LayoutMismatch(
                 self.layout,
                 theirs,
