@@ -426,3 +426,26 @@ def test_a_fault_in_one_rows_sampling_leaves_the_others_as_they_were():
     assert tokens[4] is None and logprobs[4] is None
     assert "injected" in errors[4].message and not errors[4].invalid
     assert tokens[:4] + tokens[5:] == _tokens_without(logits, 4)
+
+
+# -- top-p among the most probable tokens first --------------------------------------------
+
+
+def test_top_p_among_candidates_keeps_what_the_whole_sort_keeps():
+    from services.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered
+
+    gen = torch.Generator().manual_seed(11)
+    # Peaked rows (their nucleus is among the first candidates) and flat ones (it is not),
+    # with top_p 1 (off) among them.
+    scales = torch.tensor([8.0, 3.0, 0.05, 12.0, 0.5, 1.0, 0.01, 6.0]).repeat(4)
+    logits = torch.randn(len(scales), 4096, generator=gen) * scales[:, None]
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.99, 1.0, 0.7, 0.3, 0.999]).repeat_interleave(4)
+    got = top_p_filtered(logits, top_p)
+    on = top_p < 1.0
+    want = logits.clone()
+    want[on] = _top_p_by_sort(logits[on], top_p[on])
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], logits[~got.isinf()])
+    kept = (~got.isinf()).sum(dim=-1)
+    assert (kept[on] < TOP_P_CANDIDATES).any() and (kept[on] > TOP_P_CANDIDATES).any()
+    assert (kept[~on] == 4096).all()
