@@ -467,6 +467,11 @@ class GatewaySettings:
     stream_idle_timeout: float = setting(
         30.0, "seconds a decode stream may send nothing before it counts as broken"
     )
+    migration_wait: float = setting(
+        60.0,
+        "seconds a broken stream waits for a decode worker to move to when no other is "
+        "left (e.g. while a supervisor restarts the only one)",
+    )
     api_key: str | None = setting(
         None,
         "require 'Authorization: Bearer KEY' on the REST /v1 routes and the gRPC front (default: open)",
@@ -574,6 +579,7 @@ class GatewaySettings:
             ("--prefill-timeout", self.prefill_timeout),
             ("--decode-timeout", self.decode_timeout),
             ("--stream-idle-timeout", self.stream_idle_timeout),
+            ("--migration-wait", self.migration_wait),
         ):
             check(value > 0, f"{flag} must be a positive number of seconds, got {value}")
 

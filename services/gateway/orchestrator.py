@@ -82,9 +82,11 @@ class Orchestrator:
         trust: Trust | None = None,
         migration_limit: int = 3,
         stream_idle_timeout_s: float = 30.0,
+        migration_wait_s: float = 60.0,
     ) -> None:
         """``trust``: how calls reach the workers (TLS, the internal token)."""
         self.migration_limit = migration_limit
+        self.migration_wait_s = migration_wait_s
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self.router = router
         self.disaggregation = disaggregation
@@ -187,10 +189,7 @@ class Orchestrator:
                     raise
                 if reason == "unavailable":
                     self.router.mark_unreachable(route)
-                try:
-                    moved = await self.router.pick("decode", prompt, exclude=frozenset(tried))
-                except NoWorkerError:
-                    raise error from None
+                moved = await self._migration_target(prompt, tried, error)
                 migrations += 1
                 self.counters[f"migrations:{reason}"] += 1
                 logger.warning(
@@ -204,6 +203,22 @@ class Orchestrator:
                     moved.address,
                 )
                 route, call = moved, _resumed(request, generated)
+
+    async def _migration_target(
+        self, prompt: list[int], tried: set[str], error: Exception
+    ) -> Route:
+        """Another decode worker for a broken stream; with none left, wait up to
+        ``migration_wait_s`` for one (a supervisor restarting the only one), then raise
+        ``error``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.migration_wait_s
+        while True:
+            try:
+                return await self.router.pick("decode", prompt, exclude=frozenset(tried))
+            except NoWorkerError:
+                if loop.time() >= deadline:
+                    raise error from None
+                await asyncio.sleep(0.25)
 
     async def _decode_on(
         self, request: decode_pb2.DecodeRequest, route: Route

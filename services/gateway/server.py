@@ -229,6 +229,7 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         trust=trust,
         migration_limit=settings.migration_limit,
         stream_idle_timeout_s=settings.stream_idle_timeout,
+        migration_wait_s=settings.migration_wait,
     )
     resources.push_async_callback(orchestrator.close)
     # One gateway, one capacity: REST and gRPC requests take slots from the same bounds.

@@ -11,6 +11,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
 
 
-def _start_up(*args: str) -> subprocess.Popen:
+def _start_up(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", *args],
         cwd=ROOT,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         bufsize=0,  # no reader buffer: select() must see every line still unread
@@ -221,11 +223,42 @@ def _pid_of(up_pid: int, command: str) -> int:
     raise AssertionError(f"no {command} among the children of {up_pid}")
 
 
+STREAM = {
+    "model": "tiny",
+    "prompt": [11, 57, 203, 9, 140, 33, 77, 5, 300, 41],
+    "max_tokens": 200,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+
+
+def _stream_tokens(rest: str, started: threading.Event, result: dict) -> None:
+    """Stream STREAM's completion into ``result["tokens"]``; ``started`` once it has begun."""
+    tokens = []
+    try:
+        body = {**STREAM, "stream": True}
+        with httpx.stream("POST", f"{rest}/completions", json=body, timeout=180) as response:
+            result["status"] = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    assert "error" not in choice, line
+                    tokens.extend(choice.get("token_ids") or [])
+                    if len(tokens) >= 5:
+                        started.set()
+    finally:
+        result["tokens"] = tokens
+        started.set()
+
+
 def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp_path):
+    # Slower steps: a stream is still running when its decode worker is killed.
+    slow = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.02"}
     proc = _start_up(
         "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
         "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
-        *ENGINE,
+        *ENGINE, env=slow,
     )  # fmt: skip
     pids: set[int] = set()
     try:
@@ -237,9 +270,21 @@ def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp
         others = {p["workers"][0]["pid"] for role, p in before.items() if role != "decode"}
         pids = _descendants(proc.pid)
 
+        # A stream running when the only decode worker dies waits for its restart, moves
+        # to it, and finishes as the unbroken stream does.
+        want = httpx.post(f"{rest}/completions", json=STREAM, timeout=120).json()
+        started, streamed = threading.Event(), {}
+        reader = threading.Thread(target=_stream_tokens, args=(rest, started, streamed))
+        reader.start()
+        assert started.wait(60)
         os.kill(decode["pid"], signal.SIGKILL)
         back = _read_until(proc, "  ✓ decode-0 back at", timeout=90)
         assert "restarting decode-0" in back
+        reader.join(120)
+        assert streamed["status"] == 200
+        assert streamed["tokens"] == want["choices"][0]["token_ids"]
+        metrics = httpx.get(rest.removesuffix("/v1") + "/metrics", timeout=10).text
+        assert re.search(r'stream_migrations_total\{[^}]*reason="unavailable"\} 1\b', metrics)
 
         # The old entry is gone at once (up removes it), the new worker registered itself.
         deadline = time.monotonic() + 30
