@@ -3,12 +3,16 @@ with the one launcher `pdserve up` uses."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
+from services.common.grpc_utils import aio_channel
 from services.common.launcher import Child, Launcher
+from services.common.pb import decode_pb2, decode_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,3 +79,26 @@ class Cluster:
 def _rest_off(args: tuple[str, ...]) -> bool:
     joined = " ".join(args)
     return "--http-port -1" in joined or "--http-port=-1" in joined
+
+
+async def decode_stat(address: str) -> decode_pb2.DecodeStatResponse:
+    """A decode worker's Stat."""
+    async with aio_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        return await stub.Stat(decode_pb2.DecodeStatRequest(), timeout=10)
+
+
+async def decode_idle(
+    address: str, within_s: float, blocks_free: bool = False
+) -> decode_pb2.DecodeStatResponse:
+    """A decode worker's Stat once nothing runs or waits (and, with ``blocks_free``, every
+    KV block is free); AssertionError if that takes over ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        s = await decode_stat(address)
+        idle = s.num_running == 0 and s.num_waiting == 0
+        if idle and (not blocks_free or s.num_free_blocks == s.num_total_blocks):
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"decode worker {address} not idle within {within_s} s: {s}")
+        await asyncio.sleep(0.1)

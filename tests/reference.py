@@ -68,6 +68,12 @@ def hf_greedy(
     return refs
 
 
+def hf_greedy_tokens(model_path: Path, prompts: dict, max_new_tokens: int) -> dict:
+    """``hf_greedy``'s tokens for each named prompt (name -> token ids)."""
+    refs = hf_greedy(model_path, list(prompts.values()), max_new_tokens)
+    return {name: r.tokens for name, r in zip(prompts, refs, strict=True)}
+
+
 def compare(tokens: list[int], ref: Reference) -> int | None:
     """None if ``tokens`` equal the reference; else the index of a first difference that is a
     genuine near-tie (top-2 reference logits within NEAR_TIE). Fails the test otherwise."""

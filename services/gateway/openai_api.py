@@ -39,7 +39,13 @@ from services.gateway.openai_protocol import (
 )
 from services.gateway.openai_reply import Reply
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
+from services.gateway.requests import (
+    InvalidRequest,
+    ModelLimits,
+    PreparedRequest,
+    check_prompt_length,
+    prepare,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,13 +135,10 @@ def create_app(served: Served) -> FastAPI:
         if isinstance(body.prompt, str):
             proto = gateway_pb2.GenerateRequest(prompt=body.prompt)
         else:
-            if len(body.prompt) >= served.limits.max_model_len:
-                raise APIError(
-                    400,
-                    f"the prompt has {len(body.prompt)} tokens, but the model's maximum "
-                    f"context length is {served.limits.max_model_len}",
-                    param="prompt",
-                )
+            try:  # before the ids are copied into a message
+                check_prompt_length(len(body.prompt), served.limits)
+            except InvalidRequest as error:
+                raise APIError(400, str(error), param="prompt") from None
             try:
                 ids = gateway_pb2.TokenIds(ids=body.prompt)
             except ValueError:  # past the proto's uint32; prepare names the vocabulary size

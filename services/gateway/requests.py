@@ -128,12 +128,16 @@ def check_bounds(request: gateway_pb2.GenerateRequest, limits: ModelLimits) -> N
             f"{limits.max_logprobs} are allowed (--max-logprobs)"
         )
     if request.WhichOneof("input") == "prompt_token_ids":
-        n = len(request.prompt_token_ids.ids)
-        if n >= limits.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens, but the model's maximum context length is "
-                f"{limits.max_model_len}: shorten it to leave room for output"
-            )
+        check_prompt_length(len(request.prompt_token_ids.ids), limits)
+
+
+def check_prompt_length(num_tokens: int, limits: ModelLimits) -> None:
+    """Refuse a prompt of token ids that leaves no room for output, by its length alone."""
+    if num_tokens >= limits.max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {num_tokens} tokens, but the model's maximum context length is "
+            f"{limits.max_model_len}: shorten it to leave room for output"
+        )
 
 
 def prompt_tokens(

@@ -5,7 +5,6 @@ blocks come back, it never caches a refused block, and its Stat counts what it r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
@@ -25,8 +24,8 @@ from services.common.pb import (
 )
 from services.common.wire import layout_to_proto
 from services.engine import LLM, SamplingParams
-from tests.cluster import Cluster
-from tests.reference import hf_greedy
+from tests.cluster import Cluster, decode_idle
+from tests.reference import hf_greedy_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,9 +114,7 @@ PROMPTS = prompts()
 
 @pytest.fixture(scope="module")
 def references(tiny_llama_path) -> dict[tuple[str, str], list[int]]:
-    cases = list(PROMPTS)
-    refs = hf_greedy(tiny_llama_path, [PROMPTS[c] for c in cases], MAX_NEW)
-    return {c: r.tokens for c, r in zip(cases, refs, strict=True)}
+    return hf_greedy_tokens(tiny_llama_path, PROMPTS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -166,18 +163,6 @@ async def decode_call(address: str, request: decode_pb2.DecodeRequest) -> tuple[
         return tokens, last
 
 
-async def stat_when_idle(address: str) -> decode_pb2.DecodeStatResponse:
-    """The worker's Stat once nothing runs (within 10 s)."""
-    async with aio_channel(address) as channel:
-        stub = decode_pb2_grpc.DecodeStub(channel)
-        for _ in range(100):
-            s = await stub.Stat(decode_pb2.DecodeStatRequest(), timeout=10)
-            if s.num_running == 0 and s.num_waiting == 0:
-                return s
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"the decode worker is still busy: {s}")
-
-
 @pytest.mark.parametrize("which", list(WHICH))
 @pytest.mark.parametrize("spoil", list(SPOIL))
 async def test_damaged_blocks_are_recomputed_exactly_and_counted(
@@ -193,7 +178,7 @@ async def test_damaged_blocks_are_recomputed_exactly_and_counted(
     for i in spoiled:
         damage(blocks[i])
     params = common_pb2.SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    before = await stat_when_idle(worker.address)
+    before = await decode_idle(worker.address, 10)
     async with fake_kvstore(cluster.kvstore_address) as (kvstore, address):
         kvstore.blocks = {b.key: b for b in blocks}
         request = decode_pb2.DecodeRequest(
@@ -207,7 +192,7 @@ async def test_damaged_blocks_are_recomputed_exactly_and_counted(
         )
         tokens, last = await decode_call(worker.address, request)
         assert kvstore.asked == [b.key for b in blocks]
-    after = await stat_when_idle(worker.address)
+    after = await decode_idle(worker.address, 10)
 
     assert [first, *tokens] == want
     assert last.finish_reason == "length"
@@ -226,5 +211,5 @@ async def test_damaged_blocks_are_recomputed_exactly_and_counted(
     tokens, last = await decode_call(worker.address, again)
     assert [first, *tokens] == want
     assert last.num_cached_tokens == 48 and last.num_transferred_tokens == 0
-    assert (await stat_when_idle(worker.address)).num_free_blocks == after.num_total_blocks
+    assert (await decode_idle(worker.address, 10)).num_free_blocks == after.num_total_blocks
     assert cluster.unhandled_errors() == []

@@ -19,8 +19,8 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.cluster import Cluster
-from tests.integration.test_block_integrity import decode_call, stat_when_idle
+from tests.cluster import Cluster, decode_idle
+from tests.integration.test_block_integrity import decode_call
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,7 +104,7 @@ async def test_fetched_prefix_blocks_stay_the_tail_is_dropped(cluster, tiny_llam
     await asyncio.sleep(2 * LEASE_S)
     later = await kvstore_stat(cluster)
     assert (later.num_blocks, later.expired) == (fetched.num_blocks, fetched.expired)
-    stat = await stat_when_idle(cluster.decode.address)
+    stat = await decode_idle(cluster.decode.address, 10)
     assert stat.num_free_blocks == stat.num_total_blocks
     assert cluster.unhandled_errors() == []
 

@@ -11,13 +11,10 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import decode_pb2, decode_pb2_grpc
-from tests.cluster import ROOT, Cluster
+from tests.cluster import ROOT, Cluster, decode_idle, decode_stat
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,25 +51,6 @@ def decode(smollm2_path, tmp_path_factory):
         c.stop_all()
 
 
-async def stat(address: str) -> decode_pb2.DecodeStatResponse:
-    async with aio_channel(address) as channel:
-        return await decode_pb2_grpc.DecodeStub(channel).Stat(
-            decode_pb2.DecodeStatRequest(), timeout=10
-        )
-
-
-async def seconds_until_idle(address: str, within_s: float) -> float:
-    """Seconds until nothing runs and every block is free; fails after ``within_s``."""
-    start = time.monotonic()
-    while True:
-        s = await stat(address)
-        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
-            return time.monotonic() - start
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"blocks not freed within {within_s} s: {s}")
-        await asyncio.sleep(0.1)
-
-
 @pytest.mark.parametrize(
     ("sig", "bound_s"),
     [(signal.SIGKILL, KILLED_BOUND_S), (signal.SIGSTOP, KEEPALIVE_BOUND_S)],
@@ -80,7 +58,7 @@ async def seconds_until_idle(address: str, within_s: float) -> float:
 )
 async def test_blocks_of_a_vanished_caller_are_freed_within_the_bound(decode, sig, bound_s):
     cluster, worker = decode
-    before = await stat(worker.address)
+    before = await decode_stat(worker.address)
     assert before.num_free_blocks == before.num_total_blocks == NUM_KV_BLOCKS
     client = subprocess.Popen(
         [sys.executable, "-c", CLIENT, worker.address, f"vanish-{sig.name}", str(MAX_TOKENS)],
@@ -91,11 +69,11 @@ async def test_blocks_of_a_vanished_caller_are_freed_within_the_bound(decode, si
     try:
         line = await asyncio.wait_for(asyncio.to_thread(client.stdout.readline), timeout=120)
         assert line.strip() == "STREAMING", line
-        during = await stat(worker.address)
+        during = await decode_stat(worker.address)
         assert during.num_running == 1
         assert during.num_free_blocks < during.num_total_blocks
         client.send_signal(sig)
-        await seconds_until_idle(worker.address, bound_s)
+        await decode_idle(worker.address, bound_s, blocks_free=True)
     finally:
         client.kill()
         client.wait(timeout=10)

@@ -28,14 +28,13 @@ from services.common.pb import (
 )
 from services.common.wire import layout_to_proto
 from services.engine import LLM
-from tests.cluster import Cluster
+from tests.cluster import Cluster, decode_idle
 from tests.integration.test_block_integrity import (
     decode_call,
     exported_blocks,
     fake_kvstore,
-    stat_when_idle,
 )
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, hf_greedy_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,9 +115,7 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def references(tiny_llama_path) -> dict[tuple[str, str], list[int]]:
-    cases = list(PROMPTS)
-    refs = hf_greedy(tiny_llama_path, [PROMPTS[c] for c in cases], MAX_NEW)
-    return {c: r.tokens for c, r in zip(cases, refs, strict=True)}
+    return hf_greedy_tokens(tiny_llama_path, PROMPTS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +164,7 @@ async def check_recomputed(cluster: Cluster, request, want: list[int], first: in
     assert [first, *tokens] == want
     assert last.finish_reason == "length"
     assert (last.num_transferred_tokens, last.num_cached_tokens) == (0, 0)
-    stat = await stat_when_idle(cluster.decode.address)
+    stat = await decode_idle(cluster.decode.address, 10)
     assert stat.num_free_blocks == stat.num_total_blocks
     assert cluster.unhandled_errors() == []
 
@@ -263,6 +260,6 @@ async def test_blocks_whose_push_failed_are_recomputed_the_rest_imported(
         assert servicer.asked == [blocks[0].key, blocks[1].key, blocks[3].key]
     assert [first, *tokens] == want.tokens
     assert (last.num_transferred_tokens, last.num_cached_tokens) == (32, 0)
-    stat = await stat_when_idle(cluster.decode.address)
+    stat = await decode_idle(cluster.decode.address, 10)
     assert stat.num_free_blocks == stat.num_total_blocks
     assert cluster.unhandled_errors() == []

@@ -10,15 +10,12 @@ import asyncio
 import json
 import re
 import signal
-import time
 
 import httpx
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.engine import LLM, SamplingParams
-from tests.cluster import Cluster
+from tests.cluster import Cluster, decode_idle, decode_stat
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "16"]
 MODEL = "tiny"
@@ -126,25 +123,9 @@ async def run_all(url: str, fault=None):
         return await asyncio.wait_for(asyncio.gather(*tasks), 180), done
 
 
-async def decode_stat(address: str) -> decode_pb2.DecodeStatResponse:
-    async with aio_channel(address) as channel:
-        stub = decode_pb2_grpc.DecodeStub(channel)
-        return await stub.Stat(decode_pb2.DecodeStatRequest(), timeout=10)
-
-
 async def in_flight(address: str) -> int:
     stat = await decode_stat(address)
     return stat.num_running + stat.num_waiting
-
-
-async def all_blocks_free(address: str, within_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        stat = await decode_stat(address)
-        if stat.num_free_blocks == stat.num_total_blocks and not stat.num_running:
-            return True
-        await asyncio.sleep(0.2)
-    return False
 
 
 def metric(url: str, name: str, **labels) -> float:
@@ -184,7 +165,7 @@ def test_a_stalled_decode_worker_is_left_after_the_idle_timeout(cluster):
     assert cut >= 1
     assert metric(cluster.url, "pdserve:stream_migrations_total", reason="stalled") == cut
     # Woken, the stalled worker sees its streams cancelled and frees their blocks.
-    assert asyncio.run(all_blocks_free(victim.address))
+    asyncio.run(decode_idle(victim.address, 30, blocks_free=True))
     assert cluster.unhandled_errors() == []
 
 
@@ -206,7 +187,7 @@ def test_a_killed_decode_worker_loses_no_stream(cluster):
     assert cut >= 1
     assert metric(cluster.url, "pdserve:stream_migrations_total") - before == cut
     assert metric(cluster.url, "pdserve:stream_migrations_total", reason="unavailable") == cut
-    assert asyncio.run(all_blocks_free(survivor.address))
+    asyncio.run(decode_idle(survivor.address, 30, blocks_free=True))
     # Each request's log line says where it moved.
     assert len(re.findall(moved, gateway.log_text())) - moved_before == cut
     assert cluster.unhandled_errors() == []
