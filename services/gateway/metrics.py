@@ -33,7 +33,7 @@ def routing_metrics(orchestrator: Orchestrator, model_name: str) -> list[str]:
         f'pdserve:prefill_requests_total{{{m},where="local"}} {c["prefill_local"]}',
         f'pdserve:prefill_requests_total{{{m},where="fallback"}} {c["prefill_fallback"]}',
         "# HELP pdserve:worker_retries_total Calls retried on another worker after one was "
-        "unreachable.",
+        "unreachable, or hung before its first answer.",
         "# TYPE pdserve:worker_retries_total counter",
         f"pdserve:worker_retries_total{{{m}}} {c['retries']}",
         "# HELP pdserve:stream_migrations_total Decode streams moved to another decode "

@@ -62,7 +62,9 @@ class Orchestrator:
     """Runs requests on the workers its router picks, each gRPC call under a deadline.
 
     A call that cannot reach its worker (UNAVAILABLE before any answer: the worker died
-    or is draining) is retried on another worker of the pool, up to ``max_attempts``.
+    or is draining), or a decode stream that sends nothing for ``stream_idle_timeout_s``
+    before the client has a token, is retried on another worker of the pool, up to
+    ``max_attempts``.
     A decode stream that breaks after the client has tokens (its worker died, hangs past
     ``stream_idle_timeout_s``, or failed) **migrates**: another decode worker gets the
     prompt and the tokens so far and continues the stream, the client sees no gap and no
@@ -256,31 +258,36 @@ class Orchestrator:
     async def _retry_route(
         self,
         role: str,
-        error: grpc.aio.AioRpcError,
+        error: Exception,
         answered: bool,
         route: Route,
         prompt: list[int],
         tried: set[str],
     ) -> Route:
-        """Another worker for a call that failed to reach ``route``; re-raise ``error`` when
-        the failure is not a connection failure, the worker had answered, or none is left."""
+        """Another worker for a call that got nothing from ``route``: it was unreachable
+        (UNAVAILABLE) or hung past the idle timeout (``StreamStalled``); re-raise ``error``
+        for any other failure, when the worker had answered, or when none is left."""
+        unreachable = (
+            isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        )
         if (
             answered
-            or error.code() != grpc.StatusCode.UNAVAILABLE
+            or not (unreachable or isinstance(error, StreamStalled))
             or len(tried) >= (self.max_attempts)
         ):
             raise error
-        self.router.mark_unreachable(route)
+        if unreachable:
+            self.router.mark_unreachable(route)
         try:
             retry = await self.router.pick(role, prompt, exclude=frozenset(tried))
         except NoWorkerError:
             raise error from None
         self.counters["retries"] += 1
         logger.warning(
-            "%s worker %s unreachable (%s); retrying on %s",
+            "%s worker %s gave no answer (%s); retrying on %s",
             role,
             route.address,
-            error.details(),
+            _describe(error),
             retry.address,
         )
         return retry

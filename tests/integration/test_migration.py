@@ -169,6 +169,30 @@ def test_a_stalled_decode_worker_is_left_after_the_idle_timeout(cluster):
     assert cluster.unhandled_errors() == []
 
 
+def test_a_decode_worker_that_hangs_before_the_first_token_is_left(cluster):
+    """Streams sent to a frozen worker: disaggregated, the client has the prefill's first
+    token and the stream migrates; colocated, it has nothing yet and the call is retried on
+    the other worker. Either way after the idle timeout, with the unbroken run's output."""
+    victim = next(s for s in cluster.services if s.name == "decode-0")
+    gateway = next(s for s in cluster.services if s.name == "gateway")
+    stalled = metric(cluster.url, "pdserve:stream_migrations_total", reason="stalled")
+    retries = metric(cluster.url, "pdserve:worker_retries_total")
+    sent_before = gateway.log_text().count(f"decode@{victim.address}")
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        got, _ = asyncio.run(run_all(cluster.url))
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    check(got, cluster.want)
+    sent = gateway.log_text().count(f"decode@{victim.address}") - sent_before
+    assert sent >= 1
+    stalled = metric(cluster.url, "pdserve:stream_migrations_total", reason="stalled") - stalled
+    retries = metric(cluster.url, "pdserve:worker_retries_total") - retries
+    assert (stalled, retries) == ((sent, 0) if cluster.mode == "disaggregated" else (0, sent))
+    asyncio.run(decode_idle(victim.address, 30, blocks_free=True))
+    assert cluster.unhandled_errors() == []
+
+
 def test_a_killed_decode_worker_loses_no_stream(cluster):
     before = metric(cluster.url, "pdserve:stream_migrations_total")
     victim = next(s for s in cluster.services if s.name == "decode-0")
