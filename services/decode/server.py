@@ -40,7 +40,7 @@ from services.common.wire import (
     logprob_to_proto,
     sampling_from_proto,
 )
-from services.engine.async_engine import AsyncEngine, Handover
+from services.engine.async_engine import AsyncEngine, EngineDead, Handover
 from services.worker.runtime import error_status, serve_engine, start_engine
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Stat(
         self, request: decode_pb2.DecodeStatRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.DecodeStatResponse:
-        s = await self.engine.call(lambda e: e.stats())
+        try:
+            s = await self.engine.call(lambda e: e.stats())
+        except EngineDead as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the worker's engine failed ({e}); it is leaving"
+            )
         return decode_pb2.DecodeStatResponse(
             num_total_blocks=s.num_total_blocks,
             num_free_blocks=s.num_free_blocks,
