@@ -102,6 +102,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.trust = trust
         self.fetch_timeout_s = fetch_timeout_s
         self._kvstores: dict[str, KVStoreClient] = {}
+        self.num_fetch_failures = 0  # fetches from one kvstore that failed: recomputed
 
     def _kvstore(self, address: str) -> KVStoreClient:
         if address not in self._kvstores:
@@ -139,6 +140,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         fetched = FetchedBlocks()
         for address, result in zip(by_address, results, strict=True):
             if isinstance(result, grpc.aio.AioRpcError):
+                self.num_fetch_failures += 1
                 logger.warning(
                     "request %s: fetch from kvstore %s failed (%s: %s); recomputing its %d blocks",
                     request_id,
@@ -256,6 +258,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             kv_blocks_imported=s.num_imported_blocks,
             kv_bytes_imported=s.num_imported_bytes,
             kv_blocks_rejected=s.num_rejected_blocks,
+            kv_fetch_failures=self.num_fetch_failures,
         )
 
 
