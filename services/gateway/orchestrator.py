@@ -187,10 +187,10 @@ class Orchestrator:
                     route = await self._retry_route("decode", error, False, route, prompt, tried)
                     continue
                 reason = _migration_reason(error)
-                if reason is None or migrations >= self.migration_limit:
-                    raise
                 if reason == "unavailable":
                     self.router.mark_unreachable(route)
+                if reason is None or migrations >= self.migration_limit:
+                    raise
                 moved = await self._migration_target(prompt, tried, error)
                 migrations += 1
                 self.counters[f"migrations:{reason}"] += 1
