@@ -1,0 +1,117 @@
+"""Faults without failed requests: a cluster of 2 prefill workers, 2 decode workers, 2
+kvstore replicas, Redis and a gateway, each a real process (the tiny Llama, float32),
+serves a seeded load of greedy and sampled completions, streamed and not, 8 at a time,
+while in turn the decode worker serving live streams is SIGKILLed, a decode worker is
+SIGSTOPped past the stream idle timeout, a prefill worker, a kvstore replica and Redis are
+SIGKILLed, each started again as a supervisor would. No request fails, every output is
+the fault-free engine's, every decode worker ends with all its blocks free, and the
+gateway's migration counter counts each stream the faults cut."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+
+from tests.chaos import (
+    FAULTS,
+    ChaosCluster,
+    Load,
+    decode_moves,
+    make_jobs,
+    reference_tokens,
+    routes,
+)
+from tests.integration.test_migration import metric
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "tiny"
+CONCURRENCY = 8
+NUM_JOBS = 100
+LOAD_S = 150.0  # the deadline of the whole load
+# Every engine step takes 30 ms longer (a real model's pace rather than the tiny one's),
+# so that streams live for seconds and the load outlasts the faults.
+WORKER_ENV = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.03"}
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    return make_jobs(NUM_JOBS, seed=15, lengths=(48, 96, 144))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path, jobs):
+    return reference_tokens(tiny_llama_path, jobs)
+
+
+async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference):
+    chaos = ChaosCluster(tiny_llama_path, tmp_path, MODEL, worker_env=WORKER_ENV)
+    t0 = time.monotonic()
+    running = None
+    try:
+        await chaos.start()
+        started_s = time.monotonic() - t0
+        await chaos.idle(10)  # the starting count: every block free
+        load = Load(chaos.url, MODEL, CONCURRENCY)
+        running = asyncio.create_task(load.run(jobs))
+        for kind in FAULTS:
+            fault = asyncio.create_task(chaos.hit(kind))
+            await asyncio.wait({fault, running}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+            if not fault.done():  # the load ended first (or the fault overran)
+                fault.cancel()
+                await asyncio.gather(fault, return_exceptions=True)
+                break
+            fault.result()
+        outcomes = await asyncio.wait_for(running, LOAD_S)
+        await chaos.idle(30)
+        log = chaos.gateway.log_text()
+        migrations = {
+            r: metric(chaos.url, "pdserve:stream_migrations_total", reason=r)
+            for r in ("unavailable", "stalled", "error")
+        }
+        fallbacks = metric(chaos.url, "pdserve:prefill_requests_total", where="fallback")
+        unhandled = chaos.cluster.unhandled_errors()
+    finally:
+        if running is not None and not running.done():
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+        await chaos.close()
+
+    failed = [f"{o.job.name}: {o.error}" for o in outcomes if o.error is not None]
+    assert failed == [] and len(outcomes) == NUM_JOBS
+    made = [f.kind for f in chaos.faults]
+    assert made == list(FAULTS), f"the load ended after only {made}"
+    for o in outcomes:
+        assert o.tokens == reference[o.job.name], f"{o.job.name} differs from the fault-free run"
+        assert o.finish == "length"
+
+    # Every move left a decode worker a fault hit, and the counter counts each: the moves
+    # out of the killed worker as "unavailable", those out of the frozen one as "stalled".
+    by_victim = {f.kind: f.address for f in chaos.faults}
+    seen = routes(log)
+    assert set(seen) == {j.name for j in jobs}
+    moved_from = Counter(src for route in seen.values() for src, _ in decode_moves(route))
+    assert set(moved_from) <= {by_victim["decode-kill"], by_victim["decode-stop"]}
+    assert moved_from[by_victim["decode-kill"]] >= 1 and moved_from[by_victim["decode-stop"]] >= 1
+    assert migrations == {
+        "unavailable": moved_from[by_victim["decode-kill"]],
+        "stalled": moved_from[by_victim["decode-stop"]],
+        "error": 0,
+    }
+    # A prefill worker always answered (the other one, while one was down).
+    assert fallbacks == 0
+    # Redis down: the gateway served from its last known registry.
+    redis = next(f for f in chaos.faults if f.kind == "redis-kill")
+    assert load.done_between(redis.at, redis.at + redis.recovered_s) >= 1
+    assert unhandled == []
+
+    print(
+        f"\nchaos: cluster up in {started_s:.0f} s; {len(outcomes)} requests, 0 failed, "
+        f"{sum(migrations.values()):g} migrations {migrations}; "
+        + ", ".join(
+            f"{f.kind} (load {f.load}) whole in {f.recovered_s:.1f} s" for f in chaos.faults
+        )
+    )
