@@ -187,7 +187,9 @@ class Orchestrator:
                     route = await self._retry_route("decode", error, False, route, prompt, tried)
                     continue
                 reason = _migration_reason(error)
-                if reason == "unavailable":
+                if reason in ("unavailable", "stalled"):
+                    # Registry pools skip it until it heartbeats again: a frozen process
+                    # does not, a worker that is only slow does at once.
                     self.router.mark_unreachable(route)
                 if reason is None or migrations >= self.migration_limit:
                     raise
@@ -276,8 +278,7 @@ class Orchestrator:
             or len(tried) >= (self.max_attempts)
         ):
             raise error
-        if unreachable:
-            self.router.mark_unreachable(route)
+        self.router.mark_unreachable(route)
         try:
             retry = await self.router.pick(role, prompt, exclude=frozenset(tried))
         except NoWorkerError:

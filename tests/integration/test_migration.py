@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -176,6 +177,15 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
+def routable(url: str, within_s: float = 15.0) -> None:
+    """Wait until the gateway routes to both decode workers (one it found unreachable or
+    stalled sits out 5 s), so that a test's streams reach the one it harms."""
+    deadline = time.monotonic() + within_s
+    while metric(url, "pdserve:pool_workers", pool="decode") != 2:
+        assert time.monotonic() < deadline, f"decode-0 not routable again within {within_s} s"
+        time.sleep(0.1)
+
+
 def check(got, want) -> None:
     for i, ((tokens, num_logprobs, finish), (w_tokens, _, _)) in enumerate(
         zip(got, want, strict=True)
@@ -210,6 +220,7 @@ def test_a_decode_worker_that_hangs_before_the_first_token_is_left(cluster):
     """Streams sent to a frozen worker: disaggregated, the client has the prefill's first
     token and the stream migrates; colocated, it has nothing yet and the call is retried on
     the other worker. Either way after the idle timeout, with the unbroken run's output."""
+    routable(cluster.url)
     victim = next(s for s in cluster.services if s.name == "decode-0")
     gateway = next(s for s in cluster.services if s.name == "gateway")
     stalled = metric(cluster.url, "pdserve:stream_migrations_total", reason="stalled")
@@ -230,10 +241,30 @@ def test_a_decode_worker_that_hangs_before_the_first_token_is_left(cluster):
     assert cluster.unhandled_errors() == []
 
 
+def test_a_frozen_decode_worker_is_avoided_after_its_first_stalled_stream(cluster):
+    """Requests one after another while decode-0 is frozen: the first sent there stalls
+    and moves (or, colocated, is retried); the gateway then leaves decode-0 out (fixed
+    addresses: for 5 s), so no other request waits out the idle timeout."""
+    routable(cluster.url)
+    victim = next(s for s in cluster.services if s.name == "decode-0")
+    gateway = next(s for s in cluster.services if s.name == "gateway")
+    sent_before = gateway.log_text().count(f"decode@{victim.address}")
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        responses = completions(cluster.url, 4, 8, at_once=False)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    assert [r.status_code for r in responses] == [200] * 4
+    assert gateway.log_text().count(f"decode@{victim.address}") - sent_before == 1
+    asyncio.run(decode_idle(victim.address, 30, blocks_free=True))
+    assert cluster.unhandled_errors() == []
+
+
 def test_without_migration_a_stalled_stream_fails_with_a_clear_error(cluster, unmigrating):
     """--migration-limit 0: a stream that stalls after the client has the prefill's first
     token fails with 503 and the idle timeout named (colocated: it had no token yet and
     is retried on the other worker), never a 500 or an unhandled error."""
+    routable(unmigrating.url)
     victim = next(s for s in cluster.services if s.name == "decode-0")
     victim.proc.send_signal(signal.SIGSTOP)
     try:
@@ -252,6 +283,7 @@ def test_without_migration_a_stalled_stream_fails_with_a_clear_error(cluster, un
 
 
 def test_a_killed_decode_worker_loses_no_stream(cluster):
+    routable(cluster.url)
     before = metric(cluster.url, "pdserve:stream_migrations_total")
     victim = next(s for s in cluster.services if s.name == "decode-0")
     survivor = next(s for s in cluster.services if s.name == "decode-1")
@@ -280,6 +312,7 @@ def test_without_migration_a_dead_decode_worker_fails_one_request(cluster, unmig
     (disaggregated: after the prefill's first token; colocated: it is retried), and the
     gateway routes the next ones to the live worker."""
     assert not next(s for s in cluster.services if s.name == "decode-0").alive()
+    routable(unmigrating.url)  # it has not met the dead worker yet
     responses = completions(unmigrating.url, 6, 8, at_once=False)
     failed = sum(r.status_code != 200 for r in responses)
     assert failed == (1 if cluster.mode == "disaggregated" else 0)
