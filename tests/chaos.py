@@ -371,6 +371,17 @@ class ChaosCluster:
                 raise AssertionError(f"no decode worker has {least} requests within {within_s} s")
             await asyncio.sleep(0.05)
 
+    async def holds_all(self, child: Child, n: int, within_s: float = WAIT_S) -> None:
+        """Wait until decode worker ``child`` has ``n`` requests running or waiting."""
+        deadline = time.monotonic() + within_s
+        while True:
+            stat = await decode_stat(child.address)
+            if stat.num_running + stat.num_waiting >= n:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{child.name} holds {stat} after {within_s} s, not {n}")
+            await asyncio.sleep(0.1)
+
     async def _decode_kill(self) -> Fault:
         victim, n = await self.busiest_decode()
         fault = Fault("decode-kill", victim.name, victim.address, n)

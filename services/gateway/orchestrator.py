@@ -169,6 +169,7 @@ class Orchestrator:
         moves: list[str],
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         tried: set[str] = set()
+        unreachable: set[str] = set()  # workers this request found dead: never again
         generated: list[int] = []  # the tokens the decode streams delivered so far
         migrations = 0
         call = request
@@ -191,9 +192,12 @@ class Orchestrator:
                     # Registry pools skip it until it heartbeats again: a frozen process
                     # does not, a worker that is only slow does at once.
                     self.router.mark_unreachable(route)
+                if reason == "unavailable":
+                    unreachable.add(route.worker.worker_id)
                 if reason is None or migrations >= self.migration_limit:
                     raise
-                moved = await self._migration_target(prompt, tried, error)
+                exclude = frozenset({route.worker.worker_id, *unreachable})
+                moved = await self._migration_target(prompt, exclude, error)
                 migrations += 1
                 self.counters[f"migrations:{reason}"] += 1
                 logger.warning(
@@ -209,16 +213,17 @@ class Orchestrator:
                 route, call = moved, _resumed(request, generated)
 
     async def _migration_target(
-        self, prompt: list[int], tried: set[str], error: Exception
+        self, prompt: list[int], exclude: frozenset[str], error: Exception
     ) -> Route:
-        """Another decode worker for a broken stream; with none left, wait up to
-        ``migration_wait_s`` for one (a supervisor restarting the only one), then raise
-        ``error``."""
+        """Another decode worker for a broken stream, not one of ``exclude`` (the one it
+        broke on, those it found dead); one it left frozen or failing may take it back
+        once the router lists it again. With none, wait up to ``migration_wait_s`` for
+        one (a supervisor restarting the only one), then raise ``error``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.migration_wait_s
         while True:
             try:
-                return await self.router.pick("decode", prompt, exclude=frozenset(tried))
+                return await self.router.pick("decode", prompt, exclude=exclude)
             except NoWorkerError:
                 if loop.time() >= deadline:
                     raise error from None

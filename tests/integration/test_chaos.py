@@ -10,6 +10,7 @@ gateway's migration counter counts each stream the faults cut."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections import Counter
 
@@ -115,3 +116,39 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
             f"{f.kind} (load {f.load}) whole in {f.recovered_s:.1f} s" for f in chaos.faults
         )
     )
+
+
+async def test_a_stream_goes_back_to_a_worker_it_left_once_that_is_back(tiny_llama_path, tmp_path):
+    """Long streams on two decode workers A and B: A freezes, its streams move to B; A
+    wakes and heartbeats again; B freezes: every stream moves to A, including those that
+    left it, and each ends as an unbroken run would."""
+    jobs = make_jobs(CONCURRENCY, seed=16, lengths=(600,))
+    want = reference_tokens(tiny_llama_path, jobs)
+    env = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.02"}  # 600 tokens: over 12 s
+    chaos = ChaosCluster(tiny_llama_path, tmp_path, MODEL, worker_env=env)
+    running = None
+    try:
+        await chaos.start()
+        load = Load(chaos.url, MODEL, CONCURRENCY)
+        running = asyncio.create_task(load.run(jobs))
+        a, _ = await chaos.busiest_decode()
+        (b,) = [c for c in chaos.workers("decode") if c is not a]
+        for frozen, other in ((a, b), (b, a)):
+            frozen.signal(signal.SIGSTOP)
+            try:
+                await chaos.holds_all(other, CONCURRENCY)
+            finally:
+                frozen.signal(signal.SIGCONT)
+            await chaos.whole()
+        outcomes = await asyncio.wait_for(running, LOAD_S)
+        log = chaos.gateway.log_text()
+    finally:
+        if running is not None and not running.done():
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+        await chaos.close()
+    assert [o.error for o in outcomes] == [None] * CONCURRENCY
+    assert all(o.tokens == want[o.job.name] for o in outcomes)
+    there_and_back = [a.address, b.address, a.address]
+    decodes = [[h[7:] for h in r if h.startswith("decode@")] for r in routes(log).values()]
+    assert there_and_back in decodes
