@@ -120,36 +120,34 @@ async def run(args: argparse.Namespace, model: Path, log_dir: Path) -> dict:
     chaos = ChaosCluster(
         model, log_dir, "chaos", ENGINE, args.idle_timeout, args.registry_ttl, worker_env=env
     )
-    try:
-        t0 = time.monotonic()
-        await chaos.start()
+    t0 = time.monotonic()
+    async with chaos:
         print(f"cluster up in {time.monotonic() - t0:.0f} s; logs in {log_dir}", flush=True)
         load = Load(chaos.url, "chaos", args.concurrency)
-        running = asyncio.create_task(load.run(cycle))
-        start = time.monotonic()
-        end = start + args.duration
-        k = 1  # the k-th fault is due k intervals in; one that recovers late delays the next
-        while start + k * args.fault_interval < end:
-            await asyncio.sleep(max(0.0, start + k * args.fault_interval - time.monotonic()))
-            kind = rng.choice(FAULTS)
-            fault = await asyncio.wait_for(chaos.hit(kind), 180)
-            print(
-                f"{fault.at - start:6.0f} s  {kind:12} {fault.victim:9} load {fault.load:2}  "
-                f"whole again in {fault.recovered_s:4.1f} s; {len(load.outcomes)} requests done",
-                flush=True,
-            )
-            k += 1
-        await asyncio.sleep(max(0.0, end - time.monotonic()))
-        load.stop.set()
-        outcomes = await asyncio.wait_for(running, 300)
+        async with load.running(cycle) as running:
+            start = time.monotonic()
+            end = start + args.duration
+            k = 1  # the k-th fault is due k intervals in; one that recovers late delays the next
+            while start + k * args.fault_interval < end:
+                await asyncio.sleep(max(0.0, start + k * args.fault_interval - time.monotonic()))
+                kind = rng.choice(FAULTS)
+                fault = await asyncio.wait_for(chaos.hit(kind), 180)
+                print(
+                    f"{fault.at - start:6.0f} s  {kind:12} {fault.victim:9} load {fault.load:2}"
+                    f"  whole again in {fault.recovered_s:4.1f} s; {len(load.outcomes)} "
+                    "requests done",
+                    flush=True,
+                )
+                k += 1
+            await asyncio.sleep(max(0.0, end - time.monotonic()))
+            load.stop.set()
+            outcomes = await asyncio.wait_for(running, 300)
         elapsed = time.monotonic() - start
         await chaos.idle(60)
         migrations = {
             r: metric(chaos.url, "pdserve:stream_migrations_total", reason=r) for r in REASONS
         }
         gateway_log = chaos.gateway.log_text()
-    finally:
-        await chaos.close()
 
     seen, why = routes(gateway_log), move_reasons(gateway_log)
     base = {o.job.name: o.job.name.rsplit("-r", 1)[0] for o in outcomes}

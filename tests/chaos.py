@@ -14,7 +14,7 @@ import random
 import re
 import signal
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +159,17 @@ class Load:
             await asyncio.gather(*(client_loop() for _ in range(self.concurrency)))
         return self.outcomes
 
+    @contextlib.asynccontextmanager
+    async def running(self, jobs: Iterable[Job]) -> AsyncIterator[asyncio.Task]:
+        """``run(jobs)`` as a task while inside; cancelled on leaving if not done."""
+        task = asyncio.create_task(self.run(jobs))
+        try:
+            yield task
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     def done_between(self, start: float, end: float) -> int:
         """Requests that succeeded within [start, end] (monotonic)."""
         return sum(1 for o in self.outcomes if o.error is None and start <= o.ended_at <= end)
@@ -283,6 +294,17 @@ class ChaosCluster:
         await self.view.start()
         await self.whole()
 
+    async def __aenter__(self) -> ChaosCluster:
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
     def _start_all(self, specs: list[tuple], env: dict[str, str] | None) -> None:
         with ThreadPoolExecutor(len(specs)) as pool:
             list(pool.map(lambda spec: self.cluster.start(*spec, env=env), specs))
@@ -382,12 +404,15 @@ class ChaosCluster:
                 raise AssertionError(f"{child.name} holds {stat} after {within_s} s, not {n}")
             await asyncio.sleep(0.1)
 
-    async def _decode_kill(self) -> Fault:
-        victim, n = await self.busiest_decode()
-        fault = Fault("decode-kill", victim.name, victim.address, n)
+    async def _killed(self, kind: str, victim: Child, load: int) -> Fault:
+        """SIGKILL ``victim`` and start it again."""
+        fault = Fault(kind, victim.name, victim.address, load)
         await asyncio.to_thread(self.cluster.stop, victim, signal.SIGKILL)
         await self.restart(victim)
         return fault
+
+    async def _decode_kill(self) -> Fault:
+        return await self._killed("decode-kill", *await self.busiest_decode())
 
     async def _decode_stop(self) -> Fault:
         victim, n = await self.busiest_decode()
@@ -419,11 +444,7 @@ class ChaosCluster:
                 raise AssertionError(f"no prefill worker took a request within {within_s} s")
 
     async def _prefill_kill(self) -> Fault:
-        victim, n = await self.busiest_prefill()
-        fault = Fault("prefill-kill", victim.name, victim.address, n)
-        await asyncio.to_thread(self.cluster.stop, victim, signal.SIGKILL)
-        await self.restart(victim)
-        return fault
+        return await self._killed("prefill-kill", *await self.busiest_prefill())
 
     async def _kvstore_kill(self) -> Fault:
         """SIGKILL a replica, leave it down past its registry TTL, start it again on the same

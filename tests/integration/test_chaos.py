@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from asyncio import FIRST_COMPLETED
 from collections import Counter
 
 import pytest
@@ -49,24 +50,21 @@ def reference(tiny_llama_path, jobs):
 
 
 async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference):
-    chaos = ChaosCluster(tiny_llama_path, tmp_path, MODEL, worker_env=WORKER_ENV)
     t0 = time.monotonic()
-    running = None
-    try:
-        await chaos.start()
+    async with ChaosCluster(tiny_llama_path, tmp_path, MODEL, worker_env=WORKER_ENV) as chaos:
         started_s = time.monotonic() - t0
         await chaos.idle(10)  # the starting count: every block free
         load = Load(chaos.url, MODEL, CONCURRENCY)
-        running = asyncio.create_task(load.run(jobs))
-        for kind in FAULTS:
-            fault = asyncio.create_task(chaos.hit(kind))
-            await asyncio.wait({fault, running}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
-            if not fault.done():  # the load ended first (or the fault overran)
-                fault.cancel()
-                await asyncio.gather(fault, return_exceptions=True)
-                break
-            fault.result()
-        outcomes = await asyncio.wait_for(running, LOAD_S)
+        async with load.running(jobs) as running:
+            for kind in FAULTS:
+                fault = asyncio.create_task(chaos.hit(kind))
+                await asyncio.wait({fault, running}, timeout=120, return_when=FIRST_COMPLETED)
+                if not fault.done():  # the load ended first (or the fault overran)
+                    fault.cancel()
+                    await asyncio.gather(fault, return_exceptions=True)
+                    break
+                fault.result()
+            outcomes = await asyncio.wait_for(running, LOAD_S)
         await chaos.idle(30)
         log = chaos.gateway.log_text()
         migrations = {
@@ -75,11 +73,6 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
         }
         fallbacks = metric(chaos.url, "pdserve:prefill_requests_total", where="fallback")
         unhandled = chaos.cluster.unhandled_errors()
-    finally:
-        if running is not None and not running.done():
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-        await chaos.close()
 
     failed = [f"{o.job.name}: {o.error}" for o in outcomes if o.error is not None]
     assert failed == [] and len(outcomes) == NUM_JOBS
@@ -125,28 +118,19 @@ async def test_a_stream_goes_back_to_a_worker_it_left_once_that_is_back(tiny_lla
     jobs = make_jobs(CONCURRENCY, seed=16, lengths=(600,))
     want = reference_tokens(tiny_llama_path, jobs)
     env = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.02"}  # 600 tokens: over 12 s
-    chaos = ChaosCluster(tiny_llama_path, tmp_path, MODEL, worker_env=env)
-    running = None
-    try:
-        await chaos.start()
-        load = Load(chaos.url, MODEL, CONCURRENCY)
-        running = asyncio.create_task(load.run(jobs))
-        a, _ = await chaos.busiest_decode()
-        (b,) = [c for c in chaos.workers("decode") if c is not a]
-        for frozen, other in ((a, b), (b, a)):
-            frozen.signal(signal.SIGSTOP)
-            try:
-                await chaos.holds_all(other, CONCURRENCY)
-            finally:
-                frozen.signal(signal.SIGCONT)
-            await chaos.whole()
-        outcomes = await asyncio.wait_for(running, LOAD_S)
+    async with ChaosCluster(tiny_llama_path, tmp_path, MODEL, worker_env=env) as chaos:
+        async with Load(chaos.url, MODEL, CONCURRENCY).running(jobs) as running:
+            a, _ = await chaos.busiest_decode()
+            (b,) = [c for c in chaos.workers("decode") if c is not a]
+            for frozen, other in ((a, b), (b, a)):
+                frozen.signal(signal.SIGSTOP)
+                try:
+                    await chaos.holds_all(other, CONCURRENCY)
+                finally:
+                    frozen.signal(signal.SIGCONT)
+                await chaos.whole()
+            outcomes = await asyncio.wait_for(running, LOAD_S)
         log = chaos.gateway.log_text()
-    finally:
-        if running is not None and not running.done():
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-        await chaos.close()
     assert [o.error for o in outcomes] == [None] * CONCURRENCY
     assert all(o.tokens == want[o.job.name] for o in outcomes)
     there_and_back = [a.address, b.address, a.address]
