@@ -30,6 +30,7 @@ import torch
 from services.common.config import EngineArgs
 from services.common.model import ModelConfig, pdserve_home
 from services.common.sampling import SamplingParams
+from services.engine.model import ops
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 
@@ -95,6 +96,7 @@ def _result_path(args: EngineArgs, cfg: ModelConfig) -> Path:
         torch.get_num_threads(),
         args.enforce_eager,
         args.attention_backend,
+        ops.cpu_ops_error() is None,  # the C++ ops, which change what a step costs
     ):
         key.update(str(part).encode())
     return pdserve_home() / "probes" / f"dtype-{key.hexdigest()}.json"

@@ -130,7 +130,8 @@ def test_a_built_wheel_carries_the_c_kernel_sources(tmp_path):
     assert done.returncode == 0, done.stderr
     (wheel,) = (tmp_path / "wheel").glob("pdserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    kernels = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kernels" / "csrc").glob("*.c")}
+    csrc = ROOT / "kernels" / "csrc"
+    kernels = {p.relative_to(ROOT).as_posix() for p in [*csrc.glob("*.c"), *csrc.glob("*.cpp")]}
     assert kernels and kernels <= names
 
 
