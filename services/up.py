@@ -171,6 +171,7 @@ def _start(
             server=ServerSettings(port=0, drain_timeout=5.0),
             capacity_bytes=settings.kvstore_capacity,
             registry=registry,
+            tracing=settings.tracing,
             security=settings.security,
             log=settings.log,
         )
@@ -191,6 +192,7 @@ def _start(
             registry=registry,
             engine=engine,
             watchdog=settings.watchdog,
+            tracing=settings.tracing,
             security=settings.security,
             log=settings.log,
         )
@@ -207,6 +209,7 @@ def _start(
         max_model_len=settings.engine.max_model_len,
         routing=RoutingSettings(local_prefill_threshold=settings.local_prefill_threshold),
         redis=redis,
+        tracing=settings.tracing,
         security=settings.security,
         log=settings.log,
     )

@@ -15,6 +15,7 @@ from services.common.config import (
     LogSettings,
     PrefillSettings,
     RedisSettings,
+    TracingSettings,
     WatchdogSettings,
     size_setting,
 )
@@ -56,6 +57,7 @@ class UpSettings:
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)  # every child's
     # The token defaults to a random one per cluster here (services.up).
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
