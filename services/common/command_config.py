@@ -136,9 +136,6 @@ class StatusSettings:
     redis: RedisSettings = setting(default_factory=RedisSettings)
     log: LogSettings = setting(default_factory=quiet_log)
 
-    def __post_init__(self) -> None:
-        check(bool(self.redis.redis_url), "pass --redis-url of the cluster's Redis")
-
 
 @dataclass(frozen=True)
 class PrepareModelSettings:
