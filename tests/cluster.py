@@ -44,13 +44,15 @@ class Cluster:
         *args: str,
         timeout: float = 120.0,
         env: dict[str, str] | None = None,
+        ready: tuple[str, ...] = (),
     ) -> Child:
         """Run ``python -m module --port 0 args...`` (``env`` added to its environment) and
         wait for its READY line(s): a gateway also owes ``READY gateway-http`` unless its
-        REST API is off."""
+        REST API is off; ``ready``: more to wait for (e.g. "decode-metrics")."""
         expect = [module.rsplit(".", 1)[-1].replace("_", "-")]
         if expect == ["gateway"] and not _rest_off(args):
             expect.append("gateway-http")
+        expect += ready
         argv = [sys.executable, "-m", module, "--port", "0", *args]
         return self.launcher.start_ready(name, argv, expect, timeout=timeout, env=env)
 

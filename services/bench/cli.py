@@ -6,7 +6,11 @@
     pdserve bench sweep ... --concurrencies 1,4,16 --result-file sweep.json
     pdserve bench plot r.json sweep.json --out plots/
 
-The result files' schema is in bench/report.py.
+The result files' schema is in bench/report.py. The flags of `vllm bench serve` work too, so
+a vLLM user's command line runs unchanged: --dataset-name (random, custom = jsonl, or any
+workload above), --host/--port (instead of --base-url), --backend (openai-chat: the chat
+endpoint), --endpoint /v1/completions, --result-filename, --save-result, --result-dir and
+--ignore-eos (the default here).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -77,13 +82,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    g.add_argument(
+        "--base-url",
+        default=None,
+        help="server root, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)",
+    )
+    g.add_argument("--host", default="127.0.0.1", help="vLLM's: the server's host (127.0.0.1)")
+    g.add_argument("--port", type=_positive_int, default=8000, help="vLLM's: its port (8000)")
     g.add_argument("--model", required=True, help="model name sent in requests")
     g.add_argument(
         "--endpoint",
-        choices=tuple(ENDPOINTS),
-        default="completions",
-        help="/v1/completions (text prompt) or /v1/chat/completions (messages)",
+        type=_endpoint,
+        default=None,
+        help="completions (text prompt, /v1/completions) or chat (messages, "
+        "/v1/chat/completions); default: completions, or chat with --backend openai-chat",
+    )
+    g.add_argument(
+        "--backend",
+        choices=("openai", "vllm", "openai-chat"),
+        default="openai",
+        help="vLLM's: openai-chat sends to the chat endpoint; the others to completions",
     )
     g.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     g.add_argument(
@@ -104,6 +122,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         dest="ignore_eos",
         action="store_false",
         help="do not send `ignore_eos: true` (output may end before max_tokens)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        dest="ignore_eos",
+        action="store_true",
+        default=True,
+        help="vLLM's: the default here",
     )
 
     g = p.add_argument_group("load")
@@ -132,11 +157,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument(
         "--workload",
-        choices=WORKLOADS,
+        "--dataset-name",
+        type=_workload,
         default="random",
+        metavar="{" + ",".join(WORKLOADS) + "}",
         help="random: random-token prompts; shared-prefix: groups sharing a long "
         "system prompt; multi-turn: conversations resending their history; "
-        "long-short: a few long prompts among short ones; jsonl: a file",
+        "long-short: a few long prompts among short ones; jsonl (vLLM's custom): a file",
     )
     g.add_argument(
         "--tokenizer",
@@ -181,9 +208,48 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     )
 
     g = p.add_argument_group("output")
-    g.add_argument("--result-file", type=Path, default=None, help="write the results as JSON")
+    g.add_argument(
+        "--result-file",
+        "--result-filename",
+        type=Path,
+        default=None,
+        help="write the results as JSON (in --result-dir when relative and that is given)",
+    )
+    g.add_argument(
+        "--save-result",
+        action="store_true",
+        help="vLLM's: write the results even without --result-file, to "
+        "BACKEND-RATEqps-concurrencyN-MODEL-YYYYmmdd-HHMMSS.json",
+    )
+    g.add_argument("--result-dir", type=Path, default=None, help="vLLM's: where results go")
     g.add_argument("--label", default="", help="name of this run in plots (default: file name)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# vLLM's dataset names that are pdserve workloads under another name.
+_DATASETS = {"custom": "jsonl"}
+
+
+def _workload(text: str) -> str:
+    name = _DATASETS.get(text, text)
+    if name not in WORKLOADS:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {text!r}; use one of {', '.join(WORKLOADS)} (vLLM's names: "
+            f"random, custom)"
+        )
+    return name
+
+
+def _endpoint(text: str) -> str:
+    """completions or chat, also as vLLM writes them (/v1/completions)."""
+    by_path = {path: name for name, path in ENDPOINTS.items()}
+    name = by_path.get(text, text)
+    if name not in ENDPOINTS:
+        raise argparse.ArgumentTypeError(
+            f"unknown endpoint {text!r}; use {', '.join(ENDPOINTS)} or "
+            f"{', '.join(ENDPOINTS.values())}"
+        )
+    return name
 
 
 def _positive_int(text: str) -> int:
@@ -259,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.base_url is None:
+        args.base_url = f"http://{args.host}:{args.port}"
+    if args.endpoint is None:
+        args.endpoint = "chat" if args.backend == "openai-chat" else "completions"
+    args.result_file = _result_path(args)
     if args.goodput:
         kinds = [kind for kind, _ in args.goodput]
         if len(set(kinds)) != len(kinds):
@@ -276,6 +347,21 @@ def _check_run_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         )
     if tokenizer is not None and not tokenizer.is_dir():
         parser.error(f"--tokenizer {tokenizer}: not a directory")
+
+
+def _result_path(args: argparse.Namespace) -> Path | None:
+    """Where the results go: --result-file (under --result-dir when relative), else with
+    --save-result vLLM's file name; None: not written."""
+    path = args.result_file
+    if path is None and args.save_result:
+        concurrency = getattr(args, "max_concurrency", None)
+        rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+        model = Path(args.model).name
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path(f"{args.backend}-{rate}qps-concurrency{concurrency}-{model}-{stamp}.json")
+    if path is not None and args.result_dir is not None and not path.is_absolute():
+        path = args.result_dir / path
+    return path
 
 
 def _tokenizer_dir(args: argparse.Namespace) -> Path | None:
@@ -303,7 +389,8 @@ def _run_config(args: argparse.Namespace) -> dict:
     config = {
         k: v
         for k, v in vars(args).items()
-        if k not in names and k not in ("func", "api_key", "goodput", "timeout")
+        if k not in names
+        and k not in ("func", "api_key", "goodput", "timeout", "host", "port", "save_result")
     }
     config.update(
         request_rate="inf" if args.request_rate == float("inf") else args.request_rate,

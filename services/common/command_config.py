@@ -15,6 +15,7 @@ from services.common.config import (
     LogSettings,
     PrefillSettings,
     RedisSettings,
+    TracingSettings,
     WatchdogSettings,
     size_setting,
 )
@@ -56,6 +57,7 @@ class UpSettings:
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)  # every child's
     # The token defaults to a random one per cluster here (services.up).
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
@@ -133,9 +135,6 @@ class StatusSettings:
     json_output: bool = setting(False, "print JSON instead of tables", flag="--json")
     redis: RedisSettings = setting(default_factory=RedisSettings)
     log: LogSettings = setting(default_factory=quiet_log)
-
-    def __post_init__(self) -> None:
-        check(bool(self.redis.redis_url), "pass --redis-url of the cluster's Redis")
 
 
 @dataclass(frozen=True)

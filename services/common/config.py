@@ -104,6 +104,55 @@ class RegistrySettings:
         check(self.registry_ttl > 0, f"--registry-ttl must be positive, got {self.registry_ttl}")
 
 
+@dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry traces of this process, exported over OTLP/gRPC (docs/observability.md)."""
+
+    GROUP: ClassVar[str] = "observability"
+
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "OTLP/gRPC collector to send traces to (e.g. http://127.0.0.1:4317; https:// for TLS); "
+        "unset: the OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT variable, "
+        "and without either, tracing is off",
+    )
+    trace_sample_ratio: float = setting(
+        1.0,
+        "fraction of requests traced when tracing is on (0 to 1); a request whose caller sent "
+        "a sampled traceparent is traced whatever this says",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            0.0 <= self.trace_sample_ratio <= 1.0,
+            f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}",
+        )
+        check(
+            self.otlp_traces_endpoint is None or bool(self.otlp_traces_endpoint.strip()),
+            "--otlp-traces-endpoint must not be empty (leave it unset for no tracing)",
+        )
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """Where a worker or kvstore serves its Prometheus /metrics."""
+
+    GROUP: ClassVar[str] = "observability"
+
+    metrics_port: int = setting(
+        0,
+        "port of the HTTP server of /metrics (Prometheus text) on --host; 0: any free one "
+        "(printed in a READY line and registered), -1: off",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            -1 <= self.metrics_port <= 65535,
+            f"--metrics-port must be in [0, 65535], or -1 for no metrics server; got "
+            f"{self.metrics_port}",
+        )
+
+
 MIN_TOKEN_CHARS = 16
 
 
@@ -302,6 +351,8 @@ class PrefillSettings:
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
+    metrics: MetricsSettings = setting(default_factory=MetricsSettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
@@ -341,6 +392,8 @@ class DecodeSettings:
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
+    metrics: MetricsSettings = setting(default_factory=MetricsSettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
@@ -374,6 +427,8 @@ class KVStoreSettings:
         "was pushed for never asked); a fetched block stays until LRU evicts it; 0: no lease",
     )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
+    metrics: MetricsSettings = setting(default_factory=MetricsSettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 
@@ -503,6 +558,7 @@ class GatewaySettings:
     )
     routing: RoutingSettings = setting(default_factory=RoutingSettings)
     redis: RedisSettings = setting(default_factory=RedisSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
     security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
     log: LogSettings = setting(default_factory=LogSettings)
 

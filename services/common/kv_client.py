@@ -41,6 +41,7 @@ def batched_by_bytes(
 
 BlockIn = tuple[bytes, bytes | memoryview, int]
 """(key, data, num_tokens) of one block to put."""
+Metadata = tuple[tuple[str, str], ...] | None
 
 
 def _check_timeout(timeout: float) -> None:
@@ -93,13 +94,20 @@ class KVStoreClient:
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
     async def put_blocks(
-        self, layout: common_pb2.BlockLayout, blocks: Sequence[BlockIn], timeout: float
+        self,
+        layout: common_pb2.BlockLayout,
+        blocks: Sequence[BlockIn],
+        timeout: float,
+        metadata: Metadata = None,
     ) -> kvstore_pb2.PutBlocksResponse:
-        """Store ``blocks`` (replacing blocks with the same key) under ``layout``."""
+        """Store ``blocks`` (replacing blocks with the same key) under ``layout``.
+        ``metadata``: sent with the call (a trace context)."""
         _check_timeout(timeout)
         # Off the event loop (and any engine thread): zlib.crc32 releases the GIL.
         checksums = await asyncio.to_thread(block_checksums, blocks)
-        return await self._stub.PutBlocks(put_requests(layout, blocks, checksums), timeout=timeout)
+        return await self._stub.PutBlocks(
+            put_requests(layout, blocks, checksums), timeout=timeout, metadata=metadata
+        )
 
     async def get_blocks(
         self,
@@ -107,6 +115,7 @@ class KVStoreClient:
         keys: Sequence[bytes],
         timeout: float,
         single_use: Sequence[bytes] = (),
+        metadata: Metadata = None,
     ) -> FetchedBlocks:
         """The blocks under ``keys``: those whose header, length and checksum are those of a
         sound block of ``layout``, those that are not (``rejected``, with why), and the keys
@@ -116,7 +125,7 @@ class KVStoreClient:
         expected = layout_from_proto(layout)
         fetched = FetchedBlocks()
         request = kvstore_pb2.GetBlocksRequest(layout=layout, keys=keys, single_use=single_use)
-        call = self._stub.GetBlocks(request, timeout=timeout)
+        call = self._stub.GetBlocks(request, timeout=timeout, metadata=metadata)
         async for response in call:
             # upb copies a bytes field on every access: each field is read once, here.
             received = [
@@ -190,7 +199,7 @@ class KVStorePlacement:
         return self._clients[address]
 
     async def put(
-        self, layout, blocks, addresses: Sequence[str], timeout: float
+        self, layout, blocks, addresses: Sequence[str], timeout: float, metadata: Metadata = None
     ) -> dict[str, grpc.aio.AioRpcError]:
         """Push each exported block to its address, the replicas in parallel; the replicas
         whose push failed (their blocks may be lost: a decode worker recomputes them), with
@@ -200,7 +209,7 @@ class KVStorePlacement:
             groups[address].append((block.key, block.data, block.num_tokens))
         results = await asyncio.gather(
             *(
-                self.client(address).put_blocks(layout, items, timeout=timeout)
+                self.client(address).put_blocks(layout, items, timeout=timeout, metadata=metadata)
                 for address, items in groups.items()
             ),
             return_exceptions=True,

@@ -59,6 +59,7 @@ class WorkerInfo:
     num_total_blocks: int = 0
     max_num_seqs: int = 0
     capacity_bytes: int = 0  # kvstore
+    metrics_address: str = ""  # HOST:PORT of its Prometheus /metrics ("" when off)
     # load
     num_running: int = 0
     num_waiting: int = 0

@@ -170,15 +170,17 @@ def publisher_for(
     port: int,
     load: LoadFn | None = None,
     blocks: BlocksFn | None = None,
+    worker_id: str | None = None,
     **info: Any,
 ) -> RegistryPublisher | None:
     """The publisher of a ``role`` process bound to host:port, under its RegistrySettings;
-    None without ``--redis-url``. ``info``: the entry's fixed fields (model, capacity...)."""
+    None without ``--redis-url``. ``worker_id``: its id (default: a new one); ``info``: the
+    entry's fixed fields (model, capacity, metrics address...)."""
     url = registry.redis.redis_url
     if not url:
         return None
     entry = WorkerInfo(
-        worker_id=new_worker_id(role),
+        worker_id=worker_id or new_worker_id(role),
         role=role,
         address=advertised_address(registry.advertise_address, host, port),
         **info,

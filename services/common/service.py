@@ -3,7 +3,8 @@
 A service supplies its settings class and an async ``start`` that builds what it serves
 and returns a ``Serving``. ``run_service`` does the rest, the same for all: flags and
 ``PDSERVE_*`` variables into settings (exit 2 naming a bad one), logging (text or JSON),
-a warning for unknown ``PDSERVE_*`` variables, SIGTERM/SIGINT, registration in the
+a warning for unknown ``PDSERVE_*`` variables, tracing (``TracingSettings``; its last
+spans sent on the way out), SIGTERM/SIGINT, registration in the
 registry, the ``READY <name> HOST:PORT`` line launchers wait for, and on a signal the
 drain: deregister first (gateways drop the worker at once), report NOT_SERVING, let
 running calls finish for ``--drain-timeout`` seconds, then release every resource
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.common import tracing
 from services.common.command_config import known_env
 from services.common.grpc_utils import host_port
 from services.common.logs import configure_logging
@@ -75,6 +77,10 @@ def run_service(
     warn_unknown_env(known_env())
     logger.info("%s settings: %s", name, settings)
     try:
+        traced = getattr(settings, "tracing", None)
+        if traced is not None:
+            endpoint = tracing.endpoint_of(traced.otlp_traces_endpoint)
+            tracing.configure(endpoint, traced.trace_sample_ratio, f"pdserve-{name}")
         asyncio.run(_serve(name, settings, start))
     except (ValueError, FileNotFoundError) as error:  # a bad setting or model directory
         print(f"pdserve {name}: error: {error}", file=sys.stderr)
@@ -88,6 +94,8 @@ def run_service(
             file=sys.stderr,
         )
         return EXIT_FAILED
+    finally:
+        tracing.shutdown()  # the last spans leave before the process does
     return 0
 
 

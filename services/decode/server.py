@@ -22,14 +22,17 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from services.common import tracing
 from services.common.config import DecodeSettings
 from services.common.kv_blocks import FetchedBlocks, LayoutMismatch, show_key, tail_key
 from services.common.kv_client import KVStoreClient
 from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.common.registry import new_worker_id
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
 from services.common.trust import Trust, load_trust
@@ -42,6 +45,7 @@ from services.common.wire import (
 )
 from services.engine.async_engine import AsyncEngine, EngineDead, Handover
 from services.worker.runtime import error_status, serve_engine, start_engine
+from services.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +98,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         kvstores: KnownKVStores,
         trust: Trust | None = None,
         fetch_timeout_s: float = 10.0,
+        metrics: WorkerMetrics | None = None,
+        worker_id: str = "",
     ) -> None:
         self.engine = engine
+        self.metrics = metrics or WorkerMetrics(engine, "decode")
+        self.worker_id = worker_id
         self.layout = engine.info.layout
         self.layout_proto = layout_to_proto(self.layout)
         self.known_kvstores = kvstores
@@ -114,7 +122,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await asyncio.gather(*(c.close() for c in clients))
 
     async def _fetch(
-        self, request_id: str, keys: list[bytes], addresses: list[str]
+        self, request_id: str, keys: list[bytes], addresses: list[str], metadata=None
     ) -> FetchedBlocks:
         """The blocks under ``keys`` from their kvstores (each replica in parallel; an
         address "" was never pushed), each checked against this worker's layout and its
@@ -132,6 +140,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     wanted,
                     timeout=self.fetch_timeout_s,
                     single_use=[tail] if tail in wanted else [],
+                    metadata=metadata,
                 )
                 for address, wanted in by_address.items()
             ),
@@ -165,7 +174,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return fetched
 
     async def _handover(
-        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: decode_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext,
+        record: RequestRecord,
     ) -> Handover | None:
         """What the prefill worker handed over (None in colocated mode); aborts the call on a
         layout that is not this worker's."""
@@ -205,8 +217,35 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
         async def fetch(num_local: int) -> FetchedBlocks:
             if not request.kvstore_address and not request.block_kvstore_addresses:
+                record.fetched_at = time.time()
                 return FetchedBlocks()
-            return await self._fetch(request.request_id, keys[num_local:], addresses[num_local:])
+            with tracing.start_span("decode.kv_fetch", record.span, kind=tracing.CLIENT) as span:
+                began = time.perf_counter()
+                fetched = await self._fetch(
+                    request.request_id,
+                    keys[num_local:],
+                    addresses[num_local:],
+                    tracing.grpc_metadata(span),
+                )
+                num_bytes = sum(len(data) for data in fetched.found.values())
+                blocks = len(fetched.found)
+                self.metrics.transfer("fetch", blocks, num_bytes, time.perf_counter() - began)
+                if span.is_recording():
+                    transferred = {
+                        "pdserve.transferred_blocks": blocks,
+                        "pdserve.transferred_bytes": num_bytes,
+                    }
+                    span.set_attributes(
+                        {
+                            **transferred,
+                            "pdserve.local_blocks": num_local,
+                            "pdserve.missing_blocks": len(fetched.missing),
+                            "pdserve.rejected_blocks": len(fetched.rejected),
+                        }
+                    )
+                    record.span.set_attributes({**transferred, "pdserve.local_blocks": num_local})
+            record.fetched_at = time.time()
+            return fetched
 
         first_logprob = (
             logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
@@ -217,16 +256,38 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        parent = tracing.from_grpc(context.invocation_metadata())
+        with tracing.start_span("decode.request", parent, kind=tracing.SERVER) as span:
+            if span.is_recording():
+                span.set_attributes(request_attributes(request, self.worker_id))
+                span.set_attribute("pdserve.resumed_tokens", len(request.resume_token_ids))
+            first_here = not request.HasField("first_token_id")
+            record = RequestRecord(self.metrics, span, len(request.prompt_token_ids), first_here)
+            try:
+                async for response in self._decode(request, context, record):
+                    yield response
+            finally:
+                record.abandoned()
+
+    async def _decode(
+        self,
+        request: decode_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext,
+        record: RequestRecord,
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         try:
             params = sampling_from_proto(request.params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        handover = await self._handover(request, context)
+        handover = await self._handover(request, context, record)
         prompt = list(request.prompt_token_ids)
         try:
             async for delta in self.engine.generate(
                 request.request_id, prompt, params, handover=handover
             ):
+                record.delta(delta)
+                if delta.finish_reason is not None:
+                    record.finish(delta)
                 if delta.finish_reason == "error":
                     await context.abort(*error_status(request.request_id, delta.error))
                 yield decode_pb2.DecodeResponse(
@@ -273,7 +334,10 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         await view.start()
         resources.push_async_callback(view.close)
     kvstores = KnownKVStores(settings.kvstore, view)
-    servicer = DecodeServicer(engine, kvstores, trust, settings.kv_fetch_timeout)
+    metrics, worker_id = WorkerMetrics(engine, "decode"), new_worker_id("decode")
+    servicer = DecodeServicer(
+        engine, kvstores, trust, settings.kv_fetch_timeout, metrics, worker_id
+    )
     resources.push_async_callback(servicer.close)
     return await serve_engine(
         settings,
@@ -283,6 +347,8 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s),
         SERVICE_NAME,
         trust,
+        metrics,
+        worker_id,
     )
 
 

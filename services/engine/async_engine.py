@@ -287,6 +287,8 @@ class AsyncEngine:
             num_imported_tokens=seq.num_imported_tokens,
             exported=exported,
             error=seq.error if reason == "error" else None,
+            times=seq.times if reason is not None else None,
+            num_preemptions=seq.num_preemptions,
         )
         _post(loop, out.put_nowait, delta)
 
@@ -320,6 +322,8 @@ class AsyncEngine:
             self._busy_since = None
             if self.failure is not None:  # declared stalled meanwhile: its requests have ended
                 return
+            # Before the outputs go out: whoever has a request's last token sees its counts.
+            self.stats = self.engine.stats()
             for seq in step.advanced if step is not None else ():
                 self._emit(seq)
 

@@ -30,6 +30,7 @@ import torch
 from services.common.config import EngineArgs
 from services.common.model import ModelConfig, pdserve_home
 from services.common.sampling import SamplingParams
+from services.engine.model import ops
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 
@@ -95,6 +96,7 @@ def _result_path(args: EngineArgs, cfg: ModelConfig) -> Path:
         torch.get_num_threads(),
         args.enforce_eager,
         args.attention_backend,
+        ops.cpu_ops_error() is None,  # the C++ ops, which change what a step costs
     ):
         key.update(str(part).encode())
     return pdserve_home() / "probes" / f"dtype-{key.hexdigest()}.json"
@@ -124,8 +126,11 @@ def _time_steps(args: EngineArgs, cfg: ModelConfig, dtype: str) -> dict[str, flo
     blocks_per_seq = -(-(CONTEXT + 8) // args.block_size)
     num_blocks = batch * blocks_per_seq + 1
     probe_args = dataclasses.replace(args, max_num_seqs=max(batch, 2))
+    # The engine's own max_model_len (its rotary tables' length), so that the model the
+    # probe compiles is the one the engine then loads from the compile cache.
+    max_model_len = max(cfg.max_model_len(args.max_model_len), CONTEXT + 8)
     runner = ModelRunner(
-        probe_args, cfg, getattr(torch, dtype), torch.device("cpu"), CONTEXT + 8, num_blocks
+        probe_args, cfg, getattr(torch, dtype), torch.device("cpu"), max_model_len, num_blocks
     )
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import torch
@@ -129,9 +130,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutput([], [])
+        start = time.time()
         output = self.runner.execute(batch)
+        end = time.time()
         finished = self.scheduler.update(batch, output)
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, output.token_ids, strict=True):
+            seq.times.step(start, end, n, token is not None)
         for seq in finished:
+            seq.times.finished = end
             self._seqs.pop(seq.request_id, None)
             if seq.finish_reason == PREFILLED:
                 self._held[seq.request_id] = seq
@@ -287,6 +293,7 @@ class LLMEngine:
         seq.num_computed_tokens = covered
         seq.num_cached_tokens = held * bs
         seq.num_imported_tokens = covered - held * bs
+        seq.times.queued = time.time()
         if seq.block_table:  # else the scheduler looks the prompt up (and counts it) itself
             self.kv_cache.record_lookup(n, held * bs)
         self.num_imported_blocks += len(blocks)
@@ -294,6 +301,7 @@ class LLMEngine:
         self._seqs[request_id] = seq
         reason = seq.check_stop(self.max_model_len)
         if reason is not None:
+            seq.times.finished = seq.times.queued
             self.scheduler.finish_now(seq, reason)
             self._seqs.pop(request_id, None)
         else:

@@ -5,7 +5,9 @@ The one place that decides how a step executes:
 - CUDA: decode steps replay a CUDA graph per batch-size bucket (``cuda_graphs``); other
   steps run eagerly;
 - CPU: every step runs the model compiled by inductor once, with a dynamic token count
-  (its linears and attention are opaque ops; inductor fuses the code between them);
+  (its linears and attention are opaque ops; inductor fuses the code between them). Where
+  the C++ operators build (``ops.cpu_ops_error``), those ops are C++ and inductor emits its
+  C++ wrapper: a decode step is one call into C++ that runs without the GIL;
 - ``--enforce-eager`` (or a device with neither): the plain PyTorch model.
 
 Step inputs live in persistent buffers (``StepInputs``); the KV cache is one tensor whose
@@ -27,6 +29,7 @@ from services.common.model import ModelConfig
 from services.engine.attention import AttentionMetadata, get_attention_backend
 from services.engine.cuda_graphs import CudaGraphRunner, bucket_for, decode_buckets
 from services.engine.forward_context import ForwardContext, forward_context
+from services.engine.model import ops
 from services.engine.model.cpu_linear import pack_linears, packing_available
 from services.engine.model.loader import load_model
 from services.engine.outputs import ModelRunnerOutput
@@ -65,9 +68,23 @@ class ModelRunner:
         self.block_size = args.block_size
         self.attn = get_attention_backend(args.attention_backend, device)
         self.model = load_model(model_config, dtype, device, max_model_len)
-        self.linears = (
-            pack_linears(self.model) if device.type == "cpu" and packing_available() else []
+        # The C++ CPU ops take the packed linears and the C attention kernels.
+        self.cpp_ops = (
+            device.type == "cpu"
+            and packing_available()
+            and self.attn.name == "cpu"
+            and ops.cpu_ops_error() is None
         )
+        self.linears = (
+            pack_linears(self.model, self.cpp_ops)
+            if device.type == "cpu" and packing_available()
+            else []
+        )
+        for module in self.model.modules():
+            if hasattr(module, "cpp_op"):  # the attention layers
+                module.cpp_op = self.cpp_ops
+            if hasattr(module, "shared_regions"):  # the decoder layers
+                module.shared_regions = not self.cpp_ops
         # kv: [num_blocks, num_layers, 2 (k, v), num_kv_heads, block_size, head_dim]
         # Kernels see each layer as [num_blocks, block_size, num_kv_heads, head_dim] views
         # (strided); head-major storage keeps a head's block contiguous.
@@ -109,16 +126,28 @@ class ModelRunner:
     def _context(self, meta: AttentionMetadata | None) -> ForwardContext:
         return ForwardContext(self.attn, self.kv_caches, meta, self.linears)
 
+    def _step_context(self, meta: AttentionMetadata):
+        """What a forward of this step reads: the forward context, and the C++ ops' step."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(forward_context(self._context(meta)))
+        if self.cpp_ops:
+            stack.enter_context(ops.cpu_step(self.kv, meta))
+        return stack
+
     def _compile_for_cpu(self):
         """The model compiled by inductor for any token count >= 2, compiled now (cached on
         disk, see ``services.engine``, so a second start only retraces)."""
-        compiled = torch.compile(self.model, fullgraph=True, dynamic=False)
+        # The wrapper and the kernels built apart: the wrapper (30 layers of calls) at -O1.
+        options = (
+            {"cpp_wrapper": True, "cpp_wrapper_build_separate": True} if self.cpp_ops else None
+        )
+        compiled = torch.compile(self.model, fullgraph=True, dynamic=False, options=options)
         started = time.perf_counter()
         step = self.inputs.prepare([], [], pad_decode_to=2)
         ids, positions = self.inputs.input_ids[:2], self.inputs.positions[:2]
         torch._dynamo.mark_dynamic(ids, 0)  # one graph for every token count >= 2
         torch._dynamo.mark_dynamic(positions, 0)
-        with torch.inference_mode(), forward_context(self._context(step.meta)):
+        with torch.inference_mode(), self._step_context(step.meta):
             compiled(ids, positions)
         logger.info("compiled the model for the CPU in %.1f s", time.perf_counter() - started)
         return compiled
@@ -151,7 +180,7 @@ class ModelRunner:
         """Run one step over ``batch``; its samples, index-aligned with ``batch.seqs``."""
         bucket = self._decode_bucket(batch)
         step = self.inputs.prepare(batch.seqs, batch.num_new_tokens, pad_decode_to=bucket)
-        with forward_context(self._context(step.meta)):
+        with self._step_context(step.meta):
             hidden = self._run(step, bucket)
             logits = self.model.compute_logits(hidden[step.logit_rows])
         seqs = [batch.seqs[i] for i in step.sample_order]

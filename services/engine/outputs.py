@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.common.kv_blocks import BlockLayout, ExportedBlock
 from services.common.sampling import TokenLogprobs
-from services.engine.sequence import Sequence
+from services.engine.sequence import RequestTimes, Sequence
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ class RequestDelta:
     num_imported_tokens: int = 0
     exported: list[ExportedBlock] | None = None  # a prefilled request: the prompt's blocks
     error: RequestError | None = None  # with finish_reason "error": why
+    # With the finish reason: when the request passed each point in the engine.
+    times: RequestTimes | None = None
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from services.common.block_hash import BlockHash
@@ -24,6 +25,33 @@ class SequenceStatus(enum.Enum):
 
 
 _counter = itertools.count()
+
+
+@dataclass
+class RequestTimes:
+    """When a request passed each point of its life in this engine (``time.time()``
+    seconds), for its metrics and spans. Written by the engine thread only; read by the
+    worker once the request has finished."""
+
+    arrival: float = field(default_factory=time.time)  # taken in (add_request, begin_import)
+    queued: float = 0.0  # joined the waiting queue (an import: once its blocks were in)
+    scheduled: float | None = None  # first scheduled
+    first_token: float | None = None  # the first token this engine sampled for it
+    finished: float | None = None
+    # The steps that computed its prompt, up to its first token: (start, end, tokens).
+    chunks: list[tuple[float, float, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.queued = self.queued or self.arrival
+
+    def step(self, start: float, end: float, num_tokens: int, sampled: bool) -> None:
+        """Record one step that computed ``num_tokens`` of the request (and sampled one)."""
+        if self.scheduled is None:
+            self.scheduled = start
+        if self.first_token is None:
+            self.chunks.append((start, end, num_tokens))
+            if sampled:
+                self.first_token = end
 
 
 @dataclass(eq=False)
@@ -53,6 +81,7 @@ class Sequence:
     prefill_only: bool = False
     num_imported_tokens: int = 0
     error: object | None = None  # a RequestError when finish_reason is "error"
+    times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

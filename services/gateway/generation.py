@@ -20,6 +20,7 @@ from services.gateway.orchestrator import Orchestrator, StreamStalled, WorkerPro
 from services.gateway.requests import InvalidRequest, PreparedRequest
 from services.gateway.router import NoWorkerError
 from services.gateway.stop import StopChecker
+from services.gateway.telemetry import RequestTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +35,30 @@ REQUEST_ERRORS = (
 
 
 async def generate(
-    orchestrator: Orchestrator, tokenizer: Any, request: PreparedRequest
+    orchestrator: Orchestrator,
+    tokenizer: Any,
+    request: PreparedRequest,
+    telemetry: RequestTelemetry,
 ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
     """Messages with new tokens and text; the last has finish_reason and usage.
 
     A stop string ends the stream as "stop" and cancels the generation upstream, and so
-    does closing the iterator or cancelling its consumer.
+    does closing the iterator or cancelling its consumer. ``telemetry``: the request this
+    is a choice of (its clock, span and metrics).
     """
     detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
     stop = StopChecker(list(request.stop))
     usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))
+    clock = telemetry.choice()
     last = None
     moves: list[str] = []
     events = orchestrator.generate(
-        request.request_id, request.prompt_token_ids, request.params, moves
+        request.request_id, request.prompt_token_ids, request.params, moves, telemetry.span
     )
     async with aclosing(events):
         async for event in events:
+            if event.token_ids:
+                clock.tokens()
             usage.completion_tokens += len(event.token_ids)
             usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.num_cached_tokens)
             text, stopped = stop.feed(detokenizer.add(list(event.token_ids)))
@@ -71,21 +79,34 @@ async def generate(
     if last is None:
         raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")
     last.usage.CopyFrom(usage)
+    ttft, e2e = clock.finish(usage, last.finish_reason)
     logger.info(
-        "request %s%s: %d prompt tokens (%d cached), %d generated, finish %s, on %s",
+        "request %s%s: %d prompt tokens (%d cached), %d generated, finish %s, "
+        "TTFT %s, e2e %.1f ms, on %s",
         request.request_id,
         f" (client id {request.client_request_id!r})" if request.client_request_id else "",
         usage.prompt_tokens,
         usage.cached_prompt_tokens,
         usage.completion_tokens,
         last.finish_reason,
+        "-" if ttft is None else f"{ttft * 1e3:.1f} ms",
+        e2e * 1e3,
         " -> ".join(moves),
+        extra=log_ids(request.request_id, telemetry.trace_id),
     )
     yield last
 
 
+def log_ids(request_id: str, trace_id: str) -> dict[str, str]:
+    """A log record's ids: the request's, and its trace's when it is traced."""
+    return {"request_id": request_id, **({"trace_id": trace_id} if trace_id else {})}
+
+
 async def generate_many(
-    orchestrator: Orchestrator, tokenizer: Any, requests: Sequence[PreparedRequest]
+    orchestrator: Orchestrator,
+    tokenizer: Any,
+    requests: Sequence[PreparedRequest],
+    telemetry: RequestTelemetry,
 ) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
     """``generate`` for several requests at once: (index, message) as each arrives.
 
@@ -96,7 +117,7 @@ async def generate_many(
 
     async def pump(index: int, request: PreparedRequest) -> None:
         try:
-            async with aclosing(generate(orchestrator, tokenizer, request)) as chunks:
+            async with aclosing(generate(orchestrator, tokenizer, request, telemetry)) as chunks:
                 async for chunk in chunks:
                     await queue.put((index, chunk, None))
         except Exception as error:  # handed to the consumer, which raises it

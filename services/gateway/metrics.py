@@ -1,59 +1,96 @@
-"""The gateway's Prometheus text: admission state, where prompts were prefilled, requests
-per worker, retries and pool sizes."""
+"""The gateway's Prometheus registry: requests as the client sees them (vLLM's TTFT, ITL,
+end-to-end latency, tokens, finish reasons), admission state, where prompts were prefilled,
+requests per worker, retries, migrations and pool sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from prometheus_client import Counter, Histogram
+
+from services.common.metrics import (
+    Labels,
+    RequestMetrics,
+    SnapshotCollector,
+    name,
+    new_registry,
+)
 from services.gateway.admission import Admission
 from services.gateway.orchestrator import Orchestrator
 
-
-def gateway_metrics(admission: Admission, orchestrator: Orchestrator, model_name: str) -> str:
-    """The body of GET /metrics."""
-    m = f'model_name="{model_name}"'
-    lines = [
-        "# HELP pdserve:num_requests_running Generations running through this gateway.",
-        "# TYPE pdserve:num_requests_running gauge",
-        f"pdserve:num_requests_running{{{m}}} {admission.num_running}",
-        "# HELP pdserve:num_requests_waiting Requests queued for a generation slot.",
-        "# TYPE pdserve:num_requests_waiting gauge",
-        f"pdserve:num_requests_waiting{{{m}}} {admission.num_waiting}",
-    ]
-    return "\n".join(lines + routing_metrics(orchestrator, model_name)) + "\n"
+MIGRATION_REASONS = ("unavailable", "stalled", "error")
+PREFILL_PLACES = (("remote", "prefill_remote"), ("local", "prefill_local"))
+PREFILL_PLACES += (("fallback", "prefill_fallback"),)
 
 
-def routing_metrics(orchestrator: Orchestrator, model_name: str) -> list[str]:
-    """Prometheus lines: where prompts were prefilled, requests per worker, retries, pools."""
-    c, m = orchestrator.counters, f'model_name="{model_name}"'
-    lines = [
-        "# HELP pdserve:prefill_requests_total Prompts prefilled, by where: remote (the "
-        "prefill pool), local (the decode worker, colocated or conditional) or fallback "
-        "(the decode worker, no prefill worker could).",
-        "# TYPE pdserve:prefill_requests_total counter",
-        f'pdserve:prefill_requests_total{{{m},where="remote"}} {c["prefill_remote"]}',
-        f'pdserve:prefill_requests_total{{{m},where="local"}} {c["prefill_local"]}',
-        f'pdserve:prefill_requests_total{{{m},where="fallback"}} {c["prefill_fallback"]}',
-        "# HELP pdserve:worker_retries_total Calls retried on another worker after one was "
-        "unreachable, or hung before its first answer.",
-        "# TYPE pdserve:worker_retries_total counter",
-        f"pdserve:worker_retries_total{{{m}}} {c['retries']}",
-        "# HELP pdserve:stream_migrations_total Decode streams moved to another decode "
-        "worker after theirs broke, by reason: unavailable (died, unreachable), stalled "
-        "(sent nothing for --stream-idle-timeout), error (failed).",
-        "# TYPE pdserve:stream_migrations_total counter",
-        *(
-            f'pdserve:stream_migrations_total{{{m},reason="{r}"}} {c["migrations:" + r]}'
-            for r in ("unavailable", "stalled", "error")
-        ),
-        "# HELP pdserve:routed_requests_total Requests the router sent to each worker.",
-        "# TYPE pdserve:routed_requests_total counter",
-    ]
-    router = orchestrator.router
-    for (role, worker_id), n in sorted(router.routed.items()):
-        lines.append(f'pdserve:routed_requests_total{{{m},pool="{role}",worker="{worker_id}"}} {n}')
-    lines += [
-        "# HELP pdserve:pool_workers Live workers the gateway routes to, by pool.",
-        "# TYPE pdserve:pool_workers gauge",
-    ]
-    for role in ("prefill", "decode", "kvstore"):
-        lines.append(f'pdserve:pool_workers{{{m},pool="{role}"}} {len(router.pools.workers(role))}')
-    return lines
+class GatewayMetrics:
+    """One gateway's series, labelled ``model_name`` and role="gateway"."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        admission: Admission,
+        orchestrator: Orchestrator,
+    ) -> None:
+        self.admission = admission
+        self.orchestrator = orchestrator
+        self.registry = new_registry()
+        self.labels = labels = Labels("gateway", model_name)
+        self.requests = RequestMetrics(self.registry, labels, max_model_len)
+        self.cached_tokens = Counter(
+            name("prompt_tokens_cached"),
+            "Prompt tokens of finished requests found in a worker's prefix cache.",
+            labels.names,
+            registry=self.registry,
+        ).labels(*labels.values)
+        self.params_n = Histogram(
+            name("request_params_n"),
+            "The n (choices) of each request.",
+            labels.names,
+            buckets=(1, 2, 5, 10, 20),
+            registry=self.registry,
+        ).labels(*labels.values)
+        self.registry.register(SnapshotCollector(labels, self._rows))
+
+    def _rows(self) -> Iterable[tuple]:
+        a, c, router = self.admission, self.orchestrator.counters, self.orchestrator.router
+        yield (
+            "num_requests_running",
+            "gauge",
+            "Generations running through this gateway.",
+            a.num_running,
+        )
+        yield (
+            "num_requests_waiting",
+            "gauge",
+            "Requests queued for a generation slot.",
+            a.num_waiting,
+        )
+        text = (
+            "Prompts prefilled, by where: remote (the prefill pool), local (the decode worker, "
+            "colocated or conditional) or fallback (the decode worker, no prefill worker could)."
+        )
+        for where, key in PREFILL_PLACES:
+            yield ("prefill_requests", "counter", text, {"where": where}, c[key])
+        text = "Calls retried on another worker after one was unreachable or hung unanswered."
+        yield ("worker_retries", "counter", text, c["retries"])
+        text = (
+            "Decode streams moved to another decode worker after theirs broke, by reason: "
+            "unavailable (died, unreachable), stalled (sent nothing for --stream-idle-timeout), "
+            "error (failed)."
+        )
+        for reason in MIGRATION_REASONS:
+            yield (
+                "stream_migrations",
+                "counter",
+                text,
+                {"reason": reason},
+                c[f"migrations:{reason}"],
+            )
+        text = "Requests the router sent to each worker."
+        for (role, worker_id), n in sorted(router.routed.items()):
+            yield ("routed_requests", "counter", text, {"pool": role, "worker": worker_id}, n)
+        text = "Live workers the gateway routes to, by pool."
+        for role in ("prefill", "decode", "kvstore"):
+            yield ("pool_workers", "gauge", text, {"pool": role}, len(router.pools.workers(role)))

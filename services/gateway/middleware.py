@@ -6,6 +6,7 @@ Each refuses a request before FastAPI sees it, in OpenAI's error shape.
 from __future__ import annotations
 
 import hmac
+import time
 import uuid
 from typing import Any
 
@@ -39,6 +40,8 @@ class RequestIdMiddleware:
         headers = dict(scope.get("headers") or [])
         value = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1").strip()
         state = scope.setdefault("state", {})
+        # When the request arrived, for its TTFT and the start of its span.
+        state["arrival"], state["arrival_ns"] = time.perf_counter(), time.time_ns()
         state["request_id"] = uuid.uuid4().hex
         state["client_request_id"] = value[:MAX_CLIENT_ID_CHARS]
         request_id = state["client_request_id"] or state["request_id"]

@@ -20,11 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from services.common import tracing
+from services.common.metrics import CONTENT_TYPE, exposition
 from services.common.pb import common_pb2, gateway_pb2
 from services.common.tokenizer import Tokenizer
 from services.gateway.admission import Admission, Overloaded
 from services.gateway.generation import REQUEST_ERRORS, generate_many
-from services.gateway.metrics import gateway_metrics
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -46,6 +48,7 @@ from services.gateway.requests import (
     check_prompt_length,
     prepare,
 )
+from services.gateway.telemetry import RequestTelemetry, request_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +70,14 @@ class Served:
     max_body_bytes: int = 4 << 20
     admission: Admission = field(default_factory=lambda: Admission(256, 512, 30.0))
     send_timeout_s: float = 30.0
+    metrics: GatewayMetrics | None = None  # None: a registry of this app's own
 
 
 def create_app(served: Served) -> FastAPI:
     """The FastAPI app of the OpenAI REST API over ``served``."""
+    registry = served.metrics or GatewayMetrics(
+        served.model_name, served.limits.max_model_len, served.admission, served.orchestrator
+    )
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     # The last added runs first: ids on every answer, then the key, then the body's size.
     app.add_middleware(BodyLimitMiddleware, max_bytes=served.max_body_bytes)
@@ -109,9 +116,8 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text: admission state and routing counters."""
-        body = gateway_metrics(served.admission, served.orchestrator, served.model_name)
-        return Response(body, media_type="text/plain; version=0.0.4")
+        """Prometheus text: requests, admission state, routing counters, the process."""
+        return Response(exposition(registry.registry), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -128,7 +134,7 @@ def create_app(served: Served) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [gateway_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
         proto = gateway_pb2.GenerateRequest(messages=gateway_pb2.ChatMessages(messages=messages))
-        return await _complete(served, body, proto, request, chat=True)
+        return await _complete(served, registry, body, proto, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -144,7 +150,7 @@ def create_app(served: Served) -> FastAPI:
             except ValueError:  # past the proto's uint32; prepare names the vocabulary size
                 raise APIError(400, "prompt: a token id is out of range", param="prompt") from None
             proto = gateway_pb2.GenerateRequest(prompt_token_ids=ids)
-        return await _complete(served, body, proto, request, chat=False)
+        return await _complete(served, registry, body, proto, request, chat=False)
 
     return app
 
@@ -160,6 +166,7 @@ def _error_response(error: APIError) -> JSONResponse:
 
 async def _complete(
     served: Served,
+    metrics: GatewayMetrics,
     body: ChatCompletionRequest | CompletionRequest,
     proto: gateway_pb2.GenerateRequest,
     request: Request,
@@ -174,8 +181,38 @@ async def _complete(
         )
     request_id = request.state.request_id
     proto.request_id = request.state.client_request_id
+    telemetry = RequestTelemetry(
+        metrics,
+        tracing.from_headers(request.headers),
+        arrival=request.state.arrival,
+        arrival_ns=request.state.arrival_ns,
+        attributes=request_attributes(
+            request_id, served.model_name, request.state.client_request_id, request.url.path
+        ),
+    )
+    try:
+        response = await _run(served, body, proto, request, chat, telemetry)
+    except BaseException as error:
+        telemetry.end(error)
+        raise
+    if not isinstance(response, _HeldStream):  # a stream ends its telemetry itself
+        telemetry.end()
+    return response
+
+
+async def _run(
+    served: Served,
+    body: ChatCompletionRequest | CompletionRequest,
+    proto: gateway_pb2.GenerateRequest,
+    request: Request,
+    chat: bool,
+    telemetry: RequestTelemetry,
+) -> Response:
+    request_id = request.state.request_id
     # Tokenizing and chat templating are CPU work: not on the loop that serves every client.
-    requests = await asyncio.to_thread(_prepare_choices, served, body, proto, request_id)
+    with telemetry.phase("tokenize"):
+        requests = await asyncio.to_thread(_prepare_choices, served, body, proto, request_id)
+    telemetry.prepared(requests[0].params, len(requests[0].prompt_token_ids), len(requests))
     reply = Reply(
         id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
         model=served.model_name,
@@ -185,9 +222,12 @@ async def _complete(
         tokenizer=served.tokenizer if _logprobs_asked(body) is not None else None,
     )
     admission = served.admission
-    await admission.acquire()  # raises Overloaded: 429
+    with telemetry.phase("admission"):
+        began = time.perf_counter()
+        await admission.acquire()  # raises Overloaded: 429
+    telemetry.admitted(time.perf_counter() - began)
     try:
-        chunks = generate_many(served.orchestrator, served.tokenizer, requests)
+        chunks = generate_many(served.orchestrator, served.tokenizer, requests, telemetry)
         if not body.stream:
             result = await _unless_disconnected(request, reply.whole(chunks, len(requests)))
             return JSONResponse(result)
@@ -198,7 +238,7 @@ async def _complete(
             return Response(status_code=499)  # the client left; nobody reads this
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = reply.sse(_prepend(first, chunks), len(requests), include_usage)
-        response = _HeldStream(events, admission, chunks, served.send_timeout_s)
+        response = _HeldStream(events, admission, chunks, served.send_timeout_s, telemetry)
         admission = None  # the stream releases the slot
         return response
     finally:
@@ -247,11 +287,13 @@ class _HeldStream(StreamingResponse):
         admission: Admission,
         chunks: AsyncGenerator,
         send_timeout_s: float,
+        telemetry: RequestTelemetry,
     ) -> None:
         super().__init__(events, media_type="text/event-stream")
         self._admission = admission
         self._chunks = chunks
         self._send_timeout_s = send_timeout_s
+        self._telemetry = telemetry
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def send_or_give_up(message: dict) -> None:
@@ -263,17 +305,19 @@ class _HeldStream(StreamingResponse):
 
         try:
             await super().__call__(scope, receive, send_or_give_up)
-        except _ClientStalled:
+        except _ClientStalled as error:
             logger.warning(
                 "request %s: the client read nothing for %gs (--send-timeout); stream cancelled",
                 scope.get("state", {}).get("request_id"),
                 self._send_timeout_s,
             )
+            self._telemetry.end(error)
         finally:
             try:
                 await self._chunks.aclose()  # a stream never iterated still runs them
             finally:
                 self._admission.release()
+                self._telemetry.end()
 
 
 def _prepare_choices(

@@ -14,10 +14,12 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import grpc
 
+from services.common import tracing
 from services.common.grpc_utils import aio_channel
 from services.common.pb import (
     common_pb2,
@@ -120,25 +122,28 @@ class Orchestrator:
         prompt_token_ids: Sequence[int],
         params: common_pb2.SamplingParams,
         moves: list[str] | None = None,
+        span: Any = tracing.NO_SPAN,
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """The request's output as events: new token ids (and logprobs), the last with a
         finish_reason. Closing the iterator, or cancelling its consumer, cancels the
         decode call. A worker's gRPC error is raised as it came (``grpc.aio.AioRpcError``).
         ``moves``: where the request ran is appended to it ("prefill@ADDR", "decode@ADDR",
-        one entry per worker), for its log line.
+        one entry per worker), for its log line. ``span``: the request's; each routing
+        decision and worker call is a child span, and the calls carry its trace.
         """
         moves = [] if moves is None else moves
         prompt = list(prompt_token_ids)
         request = decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, params=params
         )
-        route = await self.router.pick("decode", prompt)
+        with tracing.start_span("gateway.route", span):
+            route = await self.router.pick("decode", prompt)
         # Conditional disaggregation: a prompt whose uncached part on the chosen decode
         # worker is short is cheaper to prefill there than to prefill and transfer.
         uncached = len(prompt) - route.cached_tokens
         if self.disaggregation and uncached >= self.local_prefill_threshold:
             try:
-                prefill = await self._prefill(request_id, prompt, params, moves)
+                prefill = await self._prefill(request_id, prompt, params, moves, span)
             except (grpc.aio.AioRpcError, NoWorkerError) as error:
                 if isinstance(error, grpc.aio.AioRpcError) and error.code() in _NO_FALLBACK:
                     raise
@@ -158,7 +163,7 @@ class Orchestrator:
                 _hand_over(prefill, request)
         else:
             self.counters["prefill_local"] += 1
-        async for event in self._decode(request, route, prompt, moves):
+        async for event in self._decode(request, route, prompt, moves, span):
             yield event
 
     async def _decode(
@@ -167,6 +172,7 @@ class Orchestrator:
         route: Route,
         prompt: list[int],
         moves: list[str],
+        span: Any = tracing.NO_SPAN,
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         tried: set[str] = set()
         unreachable: set[str] = set()  # workers this request found dead: never again
@@ -176,7 +182,7 @@ class Orchestrator:
         while True:
             moves.append(f"decode@{route.address}")
             try:
-                async with contextlib.aclosing(self._decode_on(call, route)) as events:
+                async with contextlib.aclosing(self._decode_on(call, route, span)) as events:
                     async for response in events:
                         generated.extend(response.token_ids)
                         yield response
@@ -210,6 +216,14 @@ class Orchestrator:
                     _describe(error),
                     moved.address,
                 )
+                span.add_event(
+                    "migration",
+                    {
+                        "pdserve.reason": reason,
+                        "pdserve.from": route.address,
+                        "pdserve.to": moved.address,
+                    },
+                )
                 route, call = moved, _resumed(request, generated)
 
     async def _migration_target(
@@ -230,13 +244,15 @@ class Orchestrator:
                 await asyncio.sleep(0.25)
 
     async def _decode_on(
-        self, request: decode_pb2.DecodeRequest, route: Route
+        self, request: decode_pb2.DecodeRequest, route: Route, parent: Any = tracing.NO_SPAN
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         address = route.address
         stub = decode_pb2_grpc.DecodeStub(self._channel(address))
         logger.debug("request %s: Decode on %s", request.request_id, address)
-        with self.router.track(route):
-            call = stub.Decode(request, timeout=self.decode_timeout_s)
+        span = _call_span("gateway.decode", parent, route)
+        with self.router.track(route), _ended(span):
+            metadata = tracing.grpc_metadata(span)
+            call = stub.Decode(request, timeout=self.decode_timeout_s, metadata=metadata)
             responses = call.__aiter__()
             try:
                 while True:
@@ -309,27 +325,31 @@ class Orchestrator:
         prompt: list[int],
         params: common_pb2.SamplingParams,
         moves: list[str],
+        span: Any = tracing.NO_SPAN,
     ) -> prefill_pb2.PrefillResponse:
         request = prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, params=params
         )
-        route = await self.router.pick("prefill", prompt)
+        with tracing.start_span("gateway.route", span):
+            route = await self.router.pick("prefill", prompt)
         tried: set[str] = set()
         while True:
             moves.append(f"prefill@{route.address}")
             try:
-                return await self._prefill_on(request, route)
+                return await self._prefill_on(request, route, span)
             except grpc.aio.AioRpcError as error:
                 tried.add(route.worker.worker_id)
                 route = await self._retry_route("prefill", error, False, route, prompt, tried)
 
     async def _prefill_on(
-        self, request: prefill_pb2.PrefillRequest, route: Route
+        self, request: prefill_pb2.PrefillRequest, route: Route, parent: Any = tracing.NO_SPAN
     ) -> prefill_pb2.PrefillResponse:
         stub = prefill_pb2_grpc.PrefillStub(self._channel(route.address))
         logger.debug("request %s: Prefill on %s", request.request_id, route.address)
-        with self.router.track(route):
-            call = stub.Prefill(request, timeout=self.prefill_timeout_s)
+        span = _call_span("gateway.prefill", parent, route)
+        with self.router.track(route), _ended(span):
+            metadata = tracing.grpc_metadata(span)
+            call = stub.Prefill(request, timeout=self.prefill_timeout_s, metadata=metadata)
             try:
                 return await call
             except asyncio.CancelledError:
@@ -340,6 +360,36 @@ class Orchestrator:
         if address not in self._channels:
             self._channels[address] = aio_channel(address, self.trust)
         return self._channels[address]
+
+
+def _call_span(name: str, parent: Any, route: Route) -> Any:
+    """The client span of one call to ``route``'s worker."""
+    span = tracing.start_span(name, parent, kind=tracing.CLIENT)
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "pdserve.worker.id": route.worker.worker_id,
+                "pdserve.worker.address": route.address,
+                "pdserve.route.cached_tokens": route.cached_tokens,
+            }
+        )
+    return span
+
+
+@contextlib.contextmanager
+def _ended(span: Any) -> Iterator[None]:
+    """End ``span`` when the block ends: failed by a worker's error, plainly otherwise
+    (the caller closing the stream early, a stop string, is no failure)."""
+    try:
+        yield
+    except (grpc.aio.AioRpcError, WorkerProtocolError, StreamStalled) as error:
+        tracing.end_error(span, error)
+        raise
+    except BaseException:
+        span.set_attribute("pdserve.cancelled", True)
+        span.end()
+        raise
+    span.end()
 
 
 def _migration_reason(error: Exception) -> str | None:

@@ -13,12 +13,14 @@ import contextlib
 import hmac
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from contextlib import aclosing
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from services.common import tracing
 from services.common.config import GatewaySettings
 from services.common.grpc_utils import host_port, start_server
 from services.common.model import ModelConfig, locate_model
@@ -31,10 +33,12 @@ from services.common.trust import load_trust
 from services.gateway.admission import Admission, Overloaded
 from services.gateway.generation import REQUEST_ERRORS, generate
 from services.gateway.http import HttpServer
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import RETRY_AFTER_S, Served, create_app
 from services.gateway.orchestrator import Orchestrator, StreamStalled
 from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
 from services.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
+from services.gateway.telemetry import RequestTelemetry, request_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -58,23 +62,52 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         admission: Admission | None = None,
         api_key: str | None = None,
         send_timeout_s: float = 30.0,
+        metrics: GatewayMetrics | None = None,
+        model_name: str = "",
     ) -> None:
+        """``metrics``: the gateway's registry (None: nothing measured)."""
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.limits = limits
         self.admission = admission or Admission(256, 512, 30.0)
         self._expected = f"Bearer {api_key}".encode() if api_key is not None else None
         self.send_timeout_s = send_timeout_s
+        self.metrics = metrics
+        self.model_name = model_name
+
+    def _telemetry(self, operation: str, context: grpc.aio.ServicerContext) -> RequestTelemetry:
+        metadata = context.invocation_metadata()
+        return RequestTelemetry(
+            self.metrics,
+            tracing.from_grpc(metadata),
+            attributes=request_attributes("", self.model_name, "", operation),
+        )
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GenerateResponse:
         """The whole output at once."""
-        prepared = await self._admit(request, context)
+        telemetry = self._telemetry("Generate", context)
+        try:
+            return await self._generate(request, context, telemetry)
+        except BaseException as error:
+            telemetry.end(error)
+            raise
+        finally:
+            telemetry.end()
+
+    async def _generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        telemetry: RequestTelemetry,
+    ) -> gateway_pb2.GenerateResponse:
+        prepared = await self._admit(request, context, telemetry)
         try:
             response = gateway_pb2.GenerateResponse(request_id=prepared.reply_id)
             texts = []
-            async with aclosing(generate(self.orchestrator, self.tokenizer, prepared)) as chunks:
+            chunks = generate(self.orchestrator, self.tokenizer, prepared, telemetry)
+            async with aclosing(chunks):
                 async for chunk in chunks:
                     response.token_ids.extend(chunk.token_ids)
                     response.logprobs.extend(chunk.logprobs)
@@ -92,12 +125,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """The output as it is generated: new tokens and text per message."""
-        prepared = await self._admit(request, context)
+        telemetry = self._telemetry("GenerateStream", context)
+        try:
+            await self._generate_stream(request, context, telemetry)
+        except BaseException as error:
+            telemetry.end(error)
+            raise
+        finally:
+            telemetry.end()
+
+    async def _generate_stream(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        telemetry: RequestTelemetry,
+    ) -> None:
+        prepared = await self._admit(request, context, telemetry)
         # context.write keeps a client's cancellation inside this frame, so leaving the
         # `async with` cancels the decode call at once.
         stalled = False
         try:
-            async with aclosing(generate(self.orchestrator, self.tokenizer, prepared)) as chunks:
+            chunks = generate(self.orchestrator, self.tokenizer, prepared, telemetry)
+            async with aclosing(chunks):
                 async for chunk in chunks:
                     try:
                         async with asyncio.timeout(self.send_timeout_s):
@@ -135,18 +184,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
 
     async def _admit(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        telemetry: RequestTelemetry,
     ) -> PreparedRequest:
         """The request checked and holding an admission slot (the caller releases it), or
         the call aborted: UNAUTHENTICATED, INVALID_ARGUMENT or RESOURCE_EXHAUSTED."""
         await self.authorize(context)
         try:
             # Tokenizing and chat templating are CPU work: off the loop.
-            prepared = await asyncio.to_thread(prepare, request, self.tokenizer, self.limits)
+            with telemetry.phase("tokenize"):
+                prepared = await asyncio.to_thread(prepare, request, self.tokenizer, self.limits)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        telemetry.span.set_attribute("gen_ai.request.id", prepared.request_id)
+        if prepared.client_request_id:
+            telemetry.span.set_attribute("pdserve.client_request_id", prepared.client_request_id)
+        telemetry.prepared(prepared.params, len(prepared.prompt_token_ids), 1)
         try:
-            await self.admission.acquire()
+            with telemetry.phase("admission"):
+                began = time.perf_counter()
+                await self.admission.acquire()
+            telemetry.admitted(time.perf_counter() - began)
         except Overloaded as error:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -236,9 +296,11 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     admission = Admission(
         settings.max_concurrent_requests, settings.max_queued_requests, settings.queue_timeout
     )
+    model_name = settings.served_model_name or path.name
+    metrics = GatewayMetrics(model_name, limits.max_model_len, admission, orchestrator)
     http = None
     if settings.http_port >= 0:
-        http = await _start_http(settings, orchestrator, tokenizer, limits, path.name, admission)
+        http = await _start_http(settings, orchestrator, tokenizer, limits, model_name, metrics)
         resources.push_async_callback(http.stop)
     servicer = GatewayServicer(
         orchestrator,
@@ -247,6 +309,8 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         admission=admission,
         api_key=settings.api_key,
         send_timeout_s=settings.send_timeout,
+        metrics=metrics,
+        model_name=model_name,
     )
     server, port = await start_server(
         host_port(settings.server.host, settings.server.port),
@@ -270,20 +334,21 @@ async def _start_http(
     orchestrator: Orchestrator,
     tokenizer: Tokenizer,
     limits: ModelLimits,
-    model_dir_name: str,
-    admission: Admission,
+    model_name: str,
+    metrics: GatewayMetrics,
 ) -> HttpServer:
-    """The OpenAI REST API on --http-port, with its guards."""
+    """The OpenAI REST API on --http-port, with its guards, and the gateway's /metrics."""
 
     served = Served(
         orchestrator,
         tokenizer,
         limits,
-        settings.served_model_name or model_dir_name,
+        model_name,
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
-        admission=admission,
+        admission=metrics.admission,
         send_timeout_s=settings.send_timeout,
+        metrics=metrics,
     )
     return await HttpServer.start(
         create_app(served), settings.server.host, settings.http_port, settings.server.drain_timeout

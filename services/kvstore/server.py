@@ -19,15 +19,18 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from services.common import tracing
 from services.common.config import KVStoreSettings
 from services.common.grpc_utils import STREAM_CHUNK_BYTES, host_port, start_server
 from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout, LayoutMismatch, show_key
 from services.common.kv_client import batched_by_bytes
+from services.common.metrics import metrics_server_address, start_metrics
 from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.common.registry_publisher import publisher_for
 from services.common.service import Serving, run_service
 from services.common.trust import load_trust
 from services.common.wire import layout_from_proto
+from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store import BlockStore, StoredBlock, layout_from_text, layout_to_text
 
 logger = logging.getLogger(__name__)
@@ -38,10 +41,31 @@ SERVICE_NAME = "pdserve.v1.KVStore"
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     """PutBlocks, GetBlocks and Stat over one BlockStore (one event loop: no locks)."""
 
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, metrics: KVStoreMetrics | None = None) -> None:
         self._store = store
+        self.metrics = metrics or KVStoreMetrics(store)
 
     async def PutBlocks(
+        self,
+        request_iterator: AsyncIterator[kvstore_pb2.PutBlocksRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> kvstore_pb2.PutBlocksResponse:
+        parent = tracing.from_grpc(context.invocation_metadata())
+        with (
+            tracing.start_span("kvstore.put", parent, kind=tracing.SERVER) as span,
+            self.metrics.put_seconds.time(),
+        ):
+            response = await self._put(request_iterator, context)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "pdserve.kvstore.blocks": response.num_stored,
+                        "pdserve.kvstore.bytes": response.bytes_stored,
+                    }
+                )
+            return response
+
+    async def _put(
         self,
         request_iterator: AsyncIterator[kvstore_pb2.PutBlocksRequest],
         context: grpc.aio.ServicerContext,
@@ -84,6 +108,20 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def GetBlocks(
         self, request: kvstore_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.GetBlocksResponse]:
+        parent = tracing.from_grpc(context.invocation_metadata())
+        with (
+            tracing.start_span("kvstore.get", parent, kind=tracing.SERVER) as span,
+            self.metrics.get_seconds.time(),
+        ):
+            async for response in self._get(request, context, span):
+                yield response
+
+    async def _get(
+        self,
+        request: kvstore_pb2.GetBlocksRequest,
+        context: grpc.aio.ServicerContext,
+        span: object,
+    ) -> AsyncIterator[kvstore_pb2.GetBlocksResponse]:
         if not request.HasField("layout"):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "GetBlocks must carry the block layout"
@@ -108,6 +146,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         for i, batch in enumerate(batches):
             yield _get_response(request.layout, batch, missing if i == len(batches) - 1 else [])
         logger.debug("GetBlocks: %d found, %d missing", len(found), len(missing))
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "pdserve.kvstore.blocks": len(found),
+                    "pdserve.kvstore.bytes": sum(len(b.data) for _, b in found),
+                    "pdserve.kvstore.missing": len(missing),
+                }
+            )
 
     async def Stat(
         self, request: kvstore_pb2.StatRequest, context: grpc.aio.ServicerContext
@@ -184,6 +230,7 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
     lease = settings.block_lease or None
     store = BlockStore(settings.capacity, layout, lease)
     servicer = KVStoreServicer(store)
+    metrics_server = start_metrics(settings, servicer.metrics.registry, resources)
     host = settings.server.host
     server, port = await start_server(  # OSError when it cannot bind
         host_port(host, settings.server.port),
@@ -208,10 +255,20 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
     async def load() -> dict:
         return {"bytes_used": store.bytes_used, "num_cached_blocks": store.num_blocks}
 
+    metrics_address = metrics_server_address(settings, metrics_server)
     publisher = publisher_for(
-        settings.registry, "kvstore", host, port, load, capacity_bytes=store.capacity_bytes
+        settings.registry,
+        "kvstore",
+        host,
+        port,
+        load,
+        capacity_bytes=store.capacity_bytes,
+        metrics_address=metrics_address,
     )
-    return Serving(server, port, publisher)
+    serving = Serving(server, port, publisher)
+    if metrics_address:
+        serving.ready_lines.append(("kvstore-metrics", metrics_address))
+    return serving
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,14 +8,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 import grpc
 
+from services.common import tracing
 from services.common.config import PrefillSettings
 from services.common.kv_blocks import ExportedBlock
 from services.common.kv_client import KVStorePlacement
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
+from services.common.registry import new_worker_id
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
 from services.common.trust import load_trust
@@ -23,6 +26,7 @@ from services.common.wire import layout_to_proto, logprob_to_proto, sampling_fro
 from services.engine.async_engine import AsyncEngine
 from services.engine.sequence import PREFILLED
 from services.worker.runtime import error_status, serve_engine, start_engine
+from services.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -33,32 +37,56 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Batches prompts through its engine (chunked prefill, prefix cache), then pushes blocks."""
 
     def __init__(
-        self, engine: AsyncEngine, kvstores: KVStorePlacement, push_timeout_s: float = 10.0
+        self,
+        engine: AsyncEngine,
+        kvstores: KVStorePlacement,
+        push_timeout_s: float = 10.0,
+        metrics: WorkerMetrics | None = None,
+        worker_id: str = "",
     ) -> None:
         self.engine = engine
         self.kvstores = kvstores
         self.push_timeout_s = push_timeout_s
         self.layout = layout_to_proto(engine.info.layout)
+        self.metrics = metrics or WorkerMetrics(engine, "prefill")
+        self.worker_id = worker_id
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        parent = tracing.from_grpc(context.invocation_metadata())
+        with tracing.start_span("prefill.request", parent, kind=tracing.SERVER) as span:
+            if span.is_recording():
+                span.set_attributes(request_attributes(request, self.worker_id))
+            record = RequestRecord(self.metrics, span, len(request.prompt_token_ids), True)
+            try:
+                return await self._prefill(request, context, record)
+            finally:
+                record.abandoned()
+
+    async def _prefill(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+        record: RequestRecord,
+    ) -> prefill_pb2.PrefillResponse:
         prompt = list(request.prompt_token_ids)
         try:
             params = sampling_from_proto(request.params)
-            deltas = [
-                d
-                async for d in self.engine.generate(
-                    request.request_id, prompt, params, prefill_only=True
-                )
-            ]
+            deltas = []
+            async for delta in self.engine.generate(
+                request.request_id, prompt, params, prefill_only=True
+            ):
+                record.delta(delta)
+                deltas.append(delta)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last = deltas[-1]
+        record.finish(last)
         if last.finish_reason == "error":
             await context.abort(*error_status(request.request_id, last.error))
         blocks = last.exported or []  # only a PREFILLED request has any
-        addresses = await self._push(request.request_id, blocks) if blocks else []
+        addresses = await self._push(request.request_id, blocks, record.span) if blocks else []
         response = prefill_pb2.PrefillResponse(
             first_token_id=last.token_ids[0],
             block_keys=[b.key for b in blocks],
@@ -73,7 +101,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             response.first_logprob.CopyFrom(logprob_to_proto(last.logprobs[0]))
         return response
 
-    async def _push(self, request_id: str, blocks: list[ExportedBlock]) -> list[str]:
+    async def _push(
+        self, request_id: str, blocks: list[ExportedBlock], parent: object
+    ) -> list[str]:
         """Push ``blocks`` to their kvstores; each block's address, "" where its push failed
         (the decode worker recomputes those blocks: a kvstore fault costs no request)."""
         try:
@@ -81,7 +111,33 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except LookupError as e:
             logger.warning("request %s: blocks not pushed: %s", request_id, e)
             return [""] * len(blocks)
-        failed = await self.kvstores.put(self.layout, blocks, addresses, self.push_timeout_s)
+        with tracing.start_span("prefill.kv_push", parent, kind=tracing.CLIENT) as span:
+            began = time.perf_counter()
+            failed = await self.kvstores.put(
+                self.layout,
+                blocks,
+                addresses,
+                self.push_timeout_s,
+                metadata=tracing.grpc_metadata(span),
+            )
+            pushed = [b for b, a in zip(blocks, addresses, strict=True) if a not in failed]
+            num_bytes = sum(len(b.data) for b in pushed)
+            self.metrics.transfer("push", len(pushed), num_bytes, time.perf_counter() - began)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "pdserve.transferred_blocks": len(pushed),
+                        "pdserve.transferred_bytes": num_bytes,
+                        "pdserve.failed_blocks": len(blocks) - len(pushed),
+                        "pdserve.kvstores": sorted(set(addresses)),
+                    }
+                )
+                parent.set_attributes(
+                    {
+                        "pdserve.transferred_blocks": len(pushed),
+                        "pdserve.transferred_bytes": num_bytes,
+                    }
+                )
         for address, error in failed.items():
             logger.warning(
                 "request %s: push to kvstore %s failed (%s: %s); the decode worker will "
@@ -105,7 +161,8 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         await view.start()
         resources.push_async_callback(view.close)
     placement = KVStorePlacement(settings.kvstore, view, trust)
-    servicer = PrefillServicer(engine, placement, settings.kv_push_timeout)
+    metrics, worker_id = WorkerMetrics(engine, "prefill"), new_worker_id("prefill")
+    servicer = PrefillServicer(engine, placement, settings.kv_push_timeout, metrics, worker_id)
     resources.push_async_callback(servicer.kvstores.close)
     return await serve_engine(
         settings,
@@ -115,6 +172,8 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s),
         SERVICE_NAME,
         trust,
+        metrics,
+        worker_id,
     )
 
 

@@ -6,7 +6,9 @@ snapshot without waiting for a step, and the block hashes its prefix cache store
 evicts. ``run_service`` does the rest (READY line, drain on SIGTERM), and makes the
 worker leave when the engine's watchdog says it is dead (its thread died, or a step ran
 past ``--engine-stall-timeout``): its requests end with UNAVAILABLE, it turns NOT_SERVING,
-deregisters and exits 3, for its supervisor to start a fresh one.
+deregisters and exits 3, for its supervisor to start a fresh one. Its Prometheus /metrics
+are served on ``--metrics-port``, whose address it registers and prints in a
+``READY <role>-metrics HOST:PORT`` line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 
 from services.common.config import DecodeSettings, PrefillSettings
 from services.common.grpc_utils import host_port, start_server
+from services.common.metrics import metrics_server_address, start_metrics
 from services.common.registry_publisher import RegistryPublisher, publisher_for
 from services.common.service import Serving
 from services.common.trust import Trust
@@ -28,6 +31,7 @@ from services.engine.engine import LLMEngine
 from services.engine.outputs import RequestError
 from services.engine.prepare_model import resolve_model
 from services.worker.faults import step_fault
+from services.worker.telemetry import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,12 @@ def start_engine(
 
 
 def engine_publisher(
-    settings: PrefillSettings | DecodeSettings, role: str, port: int, engine: AsyncEngine
+    settings: PrefillSettings | DecodeSettings,
+    role: str,
+    port: int,
+    engine: AsyncEngine,
+    worker_id: str | None = None,
+    metrics_address: str = "",
 ) -> RegistryPublisher | None:
     """The worker's registry publisher, or None without ``--redis-url``."""
     info = engine.info
@@ -88,7 +97,9 @@ def engine_publisher(
         port,
         load,
         blocks,
+        worker_id=worker_id,
         model=info.model_name,
+        metrics_address=metrics_address,
         fingerprint=info.fingerprint.hex(),
         block_size=info.layout.block_size,
         num_total_blocks=info.num_total_blocks,
@@ -104,9 +115,12 @@ async def serve_engine(
     add_servicer: Callable[[grpc.aio.Server], None],
     service_name: str,
     trust: Trust,
+    metrics: WorkerMetrics,
+    worker_id: str,
 ) -> Serving:
-    """Serve ``engine`` as ``role`` on the settings' port, under ``trust``; the Serving for
-    run_service."""
+    """Serve ``engine`` as ``role`` on the settings' port, under ``trust``, and its
+    ``metrics`` on ``--metrics-port``; the Serving for run_service."""
+    metrics_server = start_metrics(settings, metrics.registry, resources)
     server, port = await start_server(
         host_port(settings.server.host, settings.server.port),
         [add_servicer],
@@ -117,9 +131,13 @@ async def serve_engine(
     logger.info("%s: %s", role, trust.describe())
     resources.push_async_callback(server.stop, None)
     stall_timeout_s = settings.watchdog.engine_stall_timeout
-    return Serving(
+    metrics_address = metrics_server_address(settings, metrics_server)
+    serving = Serving(
         server,
         port,
-        engine_publisher(settings, role, port, engine),
+        engine_publisher(settings, role, port, engine, worker_id, metrics_address),
         watch=lambda: engine.watch(stall_timeout_s),
     )
+    if metrics_address:
+        serving.ready_lines.append((f"{role}-metrics", metrics_address))
+    return serving

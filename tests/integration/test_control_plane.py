@@ -100,13 +100,14 @@ async def generate(address, prompt, rid):
 
 
 def metrics(gateway) -> dict[str, float]:
-    """The gateway's Prometheus lines as {name{labels}: value}, model label dropped."""
+    """The gateway's Prometheus lines as {name{labels}: value}, model and role labels dropped."""
     text = httpx.get(f"http://{gateway.http_address}/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
-            out[re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")] = float(value)
+            key = re.sub(r'(model_name|role)="[^"]*",?', "", key).replace(",}", "}")
+            out[key.replace("{}", "")] = float(value)
     return out
 
 

@@ -8,7 +8,6 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.cuda_graphs import bucket_for, decode_buckets
-from services.engine.forward_context import forward_context
 
 
 def test_decode_buckets():
@@ -47,7 +46,7 @@ def test_a_padded_decode_step_equals_the_unpadded_one(tiny_llama_path, backend):
     def hidden(pad: int) -> torch.Tensor:
         step = runner.inputs.prepare(batch.seqs, batch.num_new_tokens, pad_decode_to=pad)
         n = step.num_tokens
-        with torch.inference_mode(), forward_context(runner._context(step.meta)):
+        with torch.inference_mode(), runner._step_context(step.meta):
             out = runner.model(runner.inputs.input_ids[:n], runner.inputs.positions[:n])
         return out[step.logit_rows].clone()
 

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from services.engine import LLM, SamplingParams
+from services.engine.model import ops
 from tests.reference import compare, hf_greedy
 
 MAX_NEW = 64
@@ -64,6 +65,32 @@ def test_matches_transformers(case, engine_args, enforce_eager):
         **engine_args,
     )
     assert (llm.engine.runner.mode == "eager") == enforce_eager
+    # The C++ ops wherever they build, with the C attention kernels they call.
+    cpp = ops.cpu_ops_error() is None and llm.engine.runner.attn.name == "cpu"
+    assert llm.engine.runner.cpp_ops == cpp
+    _run(llm, refs)
+
+
+@STEP_MODES
+@pytest.mark.parametrize("max_num_batched_tokens", [4096, 64])
+def test_the_python_ops_match_transformers(
+    case, enforce_eager, max_num_batched_tokens, monkeypatch
+):
+    """The Python ops that a machine without the C++ operators runs."""
+    path, refs = case
+    monkeypatch.setenv("PDSERVE_CPU_OPS", "python")
+    ops.cpu_ops_error.cache_clear()
+    try:
+        llm = LLM(
+            model=str(path),
+            dtype="float32",
+            num_kv_blocks=512,
+            enforce_eager=enforce_eager,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    finally:
+        ops.cpu_ops_error.cache_clear()
+    assert not llm.engine.runner.cpp_ops
     _run(llm, refs)
 
 

@@ -71,7 +71,7 @@ def _addr(cluster, name):
 def test_metrics_are_prometheus_text(http):
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert 'pdserve:num_requests_running{model_name="tiny"} 0' in r.text
+    assert 'pdserve:num_requests_running{model_name="tiny",role="gateway"} 0.0' in r.text
     assert "# TYPE pdserve:num_requests_waiting gauge" in r.text
 
 

@@ -1,5 +1,6 @@
 """The gateway and the kvstore start as real processes without loading torch (``-X importtime``
-lists every module they import), and warn about a misspelled ``PDSERVE_*`` variable."""
+lists every module they import), nor OpenTelemetry's SDK when tracing is off, and warn about
+a misspelled ``PDSERVE_*`` variable."""
 
 from __future__ import annotations
 
@@ -58,5 +59,8 @@ def test_service_starts_and_serves_without_torch(
     assert "grpc" in modules and len(modules) > 200  # the check sees the real imports
     heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
     assert heavy == [], f"{service} imported {heavy[:5]}"
+    # Tracing is off: OpenTelemetry's SDK and exporter are not loaded (FastAPI loads the
+    # API when it is installed).
+    assert not [m for m in modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exp"))]
     assert "PDSERVE_CAPACITY_BYTE is not a pdserve setting" in log
     assert "did you mean PDSERVE_CAPACITY_BYTES?" in log

@@ -78,10 +78,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_path, tmp_path):
+    runtime = {"XDG_RUNTIME_DIR": str(tmp_path / "run")}  # where up says where its cluster is
     proc = _start_up(
         "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
         "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
-        *ENGINE,
+        *ENGINE, env=runtime,
     )  # fmt: skip
     pids: set[int] = set()
     try:
@@ -89,7 +90,6 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
         for name in ("redis", "kvstore", "prefill-0", "decode-0", "gateway"):
             assert f"✓ {name}" in out
         rest = re.search(r"REST +(http://\S+)", out).group(1)
-        redis_url = re.search(r"Redis +(\S+)", out).group(1)
         assert "curl -s " + rest + "/chat/completions" in out
         pids = _descendants(proc.pid)
         assert len(pids) >= 5  # redis, kvstore, prefill, decode, gateway
@@ -110,25 +110,20 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
         assert body["choices"][0]["finish_reason"] in ("stop", "length")
 
         # A worker reports its load a heartbeat (0.2 s) late: read until the request shows.
+        # `pdserve status` finds the cluster without flags.
         deadline = time.monotonic() + 5
         while True:
             status = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "services.cli",
-                    "status",
-                    "--redis-url",
-                    redis_url,
-                    "--json",
-                ],
+                [sys.executable, "-m", "services.cli", "status", "--json"],
                 cwd=ROOT,
+                env={**os.environ, **runtime},
                 capture_output=True,
                 text=True,
                 timeout=30,
             )
             assert status.returncode == 0, status.stderr
-            pools = json.loads(status.stdout)["pools"]
+            body = json.loads(status.stdout)
+            pools = body["pools"]
             decode = pools["decode"]["workers"]
             if (decode and decode[0]["requests_total"] >= 1) or time.monotonic() > deadline:
                 break
@@ -139,6 +134,10 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
             "kvstore": 1,
         }
         assert pools["decode"]["workers"][0]["requests_total"] >= 1
+        assert body["cluster"]["up_pid"] == proc.pid and body["cluster"]["rest"] == rest
+        for pool in pools.values():
+            metrics = f"http://{pool['workers'][0]['metrics_address']}/metrics"
+            assert "pdserve:" in httpx.get(metrics, timeout=10).text
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0, _stderr(proc)
@@ -150,6 +149,7 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)]
+    assert list((tmp_path / "run").glob("pdserve/*")) == []  # its word of the cluster too
 
 
 def test_up_stops_everything_when_a_worker_fails_to_start(tiny_chat_llama_path, tmp_path):
@@ -284,7 +284,7 @@ def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp
         assert streamed["status"] == 200
         assert streamed["tokens"] == want["choices"][0]["token_ids"]
         metrics = httpx.get(rest.removesuffix("/v1") + "/metrics", timeout=10).text
-        assert re.search(r'stream_migrations_total\{[^}]*reason="unavailable"\} 1\b', metrics)
+        assert re.search(r'stream_migrations_total\{[^}]*reason="unavailable"[^}]*\} 1\b', metrics)
 
         # The old entry is gone at once (up removes it), the new worker registered itself.
         deadline = time.monotonic() + 30

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import gemm_cpu
+from services.engine.model import ops
 from services.engine.model.cpu_linear import (
     AMX_MAX_ROWS,
     PackedLinear,
@@ -23,7 +24,7 @@ ROWS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 200]
 def test_float32_matches_f_linear_at_every_row_count(bias):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
-    packed = PackedLinear(linear, 0, use_amx=True)
+    packed = PackedLinear(linear, 0, use_amx=True, cpp_op=False)
     assert packed.amx is None  # AMX is for bfloat16
     for m in ROWS:
         x = torch.randn(m, 96)
@@ -38,7 +39,7 @@ def test_bfloat16_matches_f_linear_at_every_row_count(use_amx):
         pytest.skip("this CPU has no AMX")
     torch.manual_seed(1)
     linear = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
-    packed = PackedLinear(linear, 0, use_amx=use_amx)
+    packed = PackedLinear(linear, 0, use_amx=use_amx, cpp_op=False)
     assert (packed.amx is not None) == use_amx
     for m in ROWS:
         x = torch.randn(m, 128).to(torch.bfloat16)
@@ -52,9 +53,26 @@ def test_bfloat16_matches_f_linear_at_every_row_count(use_amx):
 
 def test_pack_linears_numbers_them_in_order_and_drops_the_weights():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32).to(torch.bfloat16))
-    packed = pack_linears(model)
+    packed = pack_linears(model, cpp_op=False)
     assert [p.index for p in packed] == [0, 1]
     assert packed[0] is model[0] and packed[1] is model[2]
     assert [int(p.handle) for p in packed] == [0, 1]
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert not hasattr(model[0], "weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_cpp_op_computes_what_the_python_op_does(dtype, bias):
+    """``pdserve_cpu::linear`` takes the packed weights as inputs and runs the same kernels
+    as ``PackedLinear.run``: bit for bit the same result at every row count."""
+    if ops.cpu_ops_error() is not None:
+        pytest.skip(f"no C++ ops here: {ops.cpu_ops_error()}")
+    torch.manual_seed(2)
+    linear = nn.Linear(128, 96, bias=bias).to(dtype)
+    packed = PackedLinear(linear, 0, use_amx=gemm_cpu.available(), cpp_op=True)
+    for m in ROWS:
+        x = torch.randn(m, 128).to(dtype)
+        got = packed(x)
+        assert got.dtype == dtype and got.shape == (m, 96)
+        assert torch.equal(got, packed.run(x)), m

@@ -8,8 +8,9 @@ fast kernels read, packed once at start:
   used up to ``AMX_MAX_ROWS`` rows, where a linear is bound by reading its weights and
   oneDNN's small-batch path reads them well below the memory bandwidth.
 
-The plain weight is dropped. The model calls its linears through the ``pdserve::cpu_linear``
-op, so that a compiled model treats them as opaque calls.
+The plain weight is dropped. The model calls its linears through an opaque op, so that a
+compiled model does not look inside: the C++ ``pdserve_cpu::linear`` where it builds (it
+takes the packed weights as inputs), else the Python ``pdserve::cpu_linear``.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight held only in packed layouts; ``index`` is its place in
     the model's list of packed linears (the forward context's ``linears``)."""
 
-    def __init__(self, linear: nn.Linear, index: int, use_amx: bool) -> None:
+    def __init__(self, linear: nn.Linear, index: int, use_amx: bool, cpp_op: bool) -> None:
         super().__init__()
         self.index = index
+        self.cpp_op = cpp_op
         # The index as a tensor input of the op, so that every layer's region is the same code.
         self.handle = torch.tensor([index])
         self.in_features = linear.in_features
@@ -49,6 +51,10 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpp_op:
+            return torch.ops.pdserve_cpu.linear(
+                x, self.onednn, self.amx, self.bias, self.out_features, AMX_MAX_ROWS
+            )
         return ops.cpu_linear(x, self.handle, self.out_features)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,9 +70,9 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
 
 
-def pack_linears(model: nn.Module) -> list[PackedLinear]:
+def pack_linears(model: nn.Module, cpp_op: bool) -> list[PackedLinear]:
     """Replace every CPU ``nn.Linear`` of a packable dtype in ``model``; the new modules, in
-    the order of their ``index``."""
+    the order of their ``index``. ``cpp_op``: they call ``pdserve_cpu::linear``."""
     use_amx = gemm_cpu.available()
     packed: list[PackedLinear] = []
     for module in list(model.modules()):
@@ -76,7 +82,7 @@ def pack_linears(model: nn.Module) -> list[PackedLinear]:
                 and child.weight.dtype in PACKED_DTYPES
                 and child.weight.device.type == "cpu"
             ):
-                linear = PackedLinear(child, len(packed), use_amx)
+                linear = PackedLinear(child, len(packed), use_amx, cpp_op)
                 setattr(module, name, linear)
                 packed.append(linear)
     return packed

@@ -67,6 +67,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        # True: the C++ pdserve_cpu::attention (the CPU kernels, step set by ops.cpu_step).
+        self.cpp_op = False
         # q, k and v projections fused into one matmul.
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
@@ -87,6 +89,8 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this layer's K/V into the paged cache, attend: [N, H, D]."""
+        if self.cpp_op:
+            return torch.ops.pdserve_cpu.attention(q, k, v, self.layer_index, self.scale)
         return ops.paged_attention(q, k, v, self.layer_index, self.scale)
 
 
@@ -109,22 +113,29 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # Whether torch.compile compiles the code around attention once for all layers
+        # (nested compile regions); inductor's C++ wrapper cannot call such regions.
+        self.shared_regions = True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        if self.shared_regions:
+            q, k, v = self._before_attention_region(x, positions, rotary)
+            return self._after_attention_region(x, self.self_attn.attend(q, k, v))
         q, k, v = self._before_attention(x, positions, rotary)
         return self._after_attention(x, self.self_attn.attend(q, k, v))
 
-    # Two regions that are the same code in every layer (the layer index only reaches the
-    # attention op between them): torch.compile traces and compiles each once per model.
-    @torch.compiler.nested_compile_region
     def _before_attention(self, x, positions, rotary):
         return self.self_attn.project(self.input_layernorm(x), positions, rotary)
 
-    @torch.compiler.nested_compile_region
     def _after_attention(self, x, attn):
         n = x.shape[0]
         x = x + self.self_attn.o_proj(attn.reshape(n, self.self_attn.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    # The same code in every layer (the layer index only reaches the attention op between
+    # them): torch.compile traces and compiles each once per model.
+    _before_attention_region = torch.compiler.nested_compile_region(_before_attention)
+    _after_attention_region = torch.compiler.nested_compile_region(_after_attention)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,192 @@
+{{/*
+The Deployment of one pdserve pool; every pool is this one shape.
+(dict "root" $ "component" NAME "pool" VALUES "command" LIST "args" LIST
+      "env" YAML-LIST "ports" LIST-OF-(name, port) "probePort" NAME "probe" "grpc"|"http"
+      "engine" BOOL "model" BOOL)
+*/}}
+{{- define "pdserve.deployment" -}}
+{{- $root := .root -}}
+{{- $pool := .pool -}}
+{{- $name := printf "%s-%s" (include "pdserve.fullname" $root) .component -}}
+{{- $scaled := or $pool.autoscaling.enabled $pool.autoscaling.keda.enabled -}}
+{{- $grace := add (int $pool.drainTimeout) (int $root.Values.preStopSleepSeconds) 15 -}}
+{{- $prepare := and .model (eq $root.Values.model.source "prepare") -}}
+{{- $cpuRequest := dig "requests" "cpu" "" ($pool.resources | default dict) -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "pdserve.componentLabels" (dict "root" $root "component" .component) | nindent 4 }}
+spec:
+  {{- if not $scaled }}
+  replicas: {{ $pool.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 3
+  strategy:
+    {{- toYaml $pool.strategy | nindent 4 }}
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" (dict "root" $root "component" .component) | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "pdserve.selectorLabels" (dict "root" $root "component" .component) | nindent 8 }}
+        app.kubernetes.io/part-of: pdserve
+        {{- with $pool.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $pool.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      automountServiceAccountToken: false
+      {{- with $root.Values.serviceAccountName }}
+      serviceAccountName: {{ . }}
+      {{- end }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      # Above --drain-timeout plus the preStop pause: SIGTERM drains, it is not cut short.
+      terminationGracePeriodSeconds: {{ $grace }}
+      {{- with $pool.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if $prepare }}
+      initContainers:
+        - name: prepare-model
+          image: {{ include "pdserve.engineImage" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["pdserve", "prepare-model"]
+          args:
+            - {{ printf "--home=%s" $root.Values.model.mountPath | quote }}
+            - "--quiet=on"
+          resources:
+            {{- toYaml $root.Values.model.prepare.resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - {name: model, mountPath: {{ $root.Values.model.mountPath }}}
+            - {name: cache, mountPath: /var/cache/pdserve}
+            - {name: tmp, mountPath: /tmp}
+      {{- end }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "pdserve.image" (dict "root" $root "pool" $pool) }}
+          imagePullPolicy: {{ include "pdserve.pullPolicy" (dict "root" $root "pool" $pool) }}
+          command:
+            {{- toYaml .command | nindent 12 }}
+          {{- $args := concat .args (include "pdserve.commonArgs" $root | fromYamlArray) }}
+          {{- if and $root.Values.tls.enabled $root.Values.tls.mutual (ne .component "gateway") }}
+          {{- /* Internal ports only: the gateway's gRPC front is public. */}}
+          {{- $args = append $args "--tls-client-ca=/etc/pdserve/tls/ca.crt" }}
+          {{- end }}
+          args:
+            {{- concat $args ($pool.extraArgs | default list) | toYaml | nindent 12 }}
+          env:
+            - name: POD_IP
+              valueFrom:
+                fieldRef: {fieldPath: status.podIP}
+            {{- if and .engine $cpuRequest }}
+            # Torch's threads: the CPU this pod is given, not every core of its node.
+            - name: PDSERVE_NUM_THREADS
+              valueFrom:
+                resourceFieldRef: {resource: requests.cpu, divisor: "1"}
+            {{- end }}
+            {{- include "pdserve.redisEnv" $root | nindent 12 }}
+            {{- with include "pdserve.tokenEnv" $root }}
+            {{- . | nindent 12 }}
+            {{- end }}
+            {{- with .env }}
+            {{- . | nindent 12 }}
+            {{- end }}
+            {{- with $pool.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            {{- range .ports }}
+            - {name: {{ .name }}, containerPort: {{ .port }}, protocol: TCP}
+            {{- end }}
+          {{- $check := dict }}
+          {{- if eq .probe "http" }}
+          {{- $check = dict "httpGet" (dict "path" "/health" "port" .probePort) }}
+          {{- else if $root.Values.tls.enabled }}
+          {{- $check = dict "tcpSocket" (dict "port" .probePort) }}
+          {{- else }}
+          {{- $check = dict "grpc" (dict "port" (int .probePortNumber)) }}
+          {{- end }}
+          startupProbe:
+            {{- toYaml $check | nindent 12 }}
+            periodSeconds: 5
+            timeoutSeconds: 3
+            failureThreshold: {{ max 1 (div (add (int $pool.startupProbeSeconds) 4) 5) }}
+          readinessProbe:
+            {{- toYaml $check | nindent 12 }}
+            periodSeconds: 5
+            timeoutSeconds: 3
+            failureThreshold: 2
+          livenessProbe:
+            {{- toYaml $check | nindent 12 }}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 3
+          lifecycle:
+            preStop:
+              sleep: {seconds: {{ $root.Values.preStopSleepSeconds }}}
+          resources:
+            {{- toYaml $pool.resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            {{- if .model }}
+            - {name: model, mountPath: {{ $root.Values.model.mountPath }}, readOnly: {{ not $prepare }}}
+            {{- end }}
+            - {name: cache, mountPath: /var/cache/pdserve}
+            - {name: tmp, mountPath: /tmp}
+            {{- if $root.Values.tls.enabled }}
+            - {name: tls, mountPath: /etc/pdserve/tls, readOnly: true}
+            {{- end }}
+      volumes:
+        {{- if .model }}
+        - name: model
+          {{- include "pdserve.modelVolume" $root | nindent 10 }}
+        {{- end }}
+        - name: cache
+          emptyDir: {sizeLimit: {{ $root.Values.cacheSizeLimit }}}
+        - name: tmp
+          emptyDir: {sizeLimit: 1Gi}
+        {{- if $root.Values.tls.enabled }}
+        - name: tls
+          secret: {secretName: {{ $root.Values.tls.secretName }}}
+        {{- end }}
+{{- end -}}
+
+{{- define "pdserve.modelVolume" -}}
+{{- $model := .Values.model -}}
+{{- if eq $model.source "hostPath" -}}
+hostPath: {path: {{ $model.hostPath.path | quote }}, type: Directory}
+{{- else if eq $model.source "pvc" -}}
+persistentVolumeClaim: {claimName: {{ $model.pvc.claimName }}, readOnly: true}
+{{- else if $model.pvc.claimName -}}
+persistentVolumeClaim: {claimName: {{ $model.pvc.claimName }}}
+{{- else -}}
+emptyDir: {}
+{{- end -}}
+{{- end -}}

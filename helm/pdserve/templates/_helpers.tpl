@@ -1,0 +1,159 @@
+{{/* Names, labels, images, secrets and flags shared by every template. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release's prefix of every object name; component names add up to 10 characters. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: pdserve
+{{ include "pdserve.releaseLabels" . }}
+{{- end -}}
+
+{{/* What every pod of this release carries: the NetworkPolicies trust these. */}}
+{{- define "pdserve.releaseLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* (dict "root" $ "component" "decode") */}}
+{{- define "pdserve.selectorLabels" -}}
+{{ include "pdserve.releaseLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.componentLabels" -}}
+{{ include "pdserve.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* (dict "root" $ "pool" .Values.decode): repository:tag of a pool's image. */}}
+{{- define "pdserve.image" -}}
+{{- $image := mergeOverwrite (deepCopy .root.Values.image) (.pool.image | default dict) -}}
+{{- $tag := $image.tag | default .root.Chart.AppVersion | toString -}}
+{{- if $image.variant -}}{{- $tag = printf "%s-%s" $tag $image.variant -}}{{- end -}}
+{{- printf "%s:%s" $image.repository $tag -}}
+{{- end -}}
+
+{{- define "pdserve.pullPolicy" -}}
+{{- (mergeOverwrite (deepCopy .root.Values.image) (.pool.image | default dict)).pullPolicy -}}
+{{- end -}}
+
+{{/* The CPU engine image: prepare-model needs torch and transformers. */}}
+{{- define "pdserve.engineImage" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) -}}
+{{- end -}}
+
+{{- define "pdserve.secretName" -}}
+{{- include "pdserve.fullname" . -}}
+{{- end -}}
+
+{{- define "pdserve.builtinRedis" -}}
+{{- if and (not .Values.redis.url) (not .Values.redis.existingSecret) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.redisService" -}}
+{{- include "pdserve.fullname" . -}}-redis
+{{- end -}}
+
+{{/* The control plane's URL, the internal token and the API key, as container env. */}}
+{{- define "pdserve.redisEnv" -}}
+- name: PDSERVE_REDIS_URL
+{{- if .Values.redis.existingSecret }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.existingSecret }}
+      key: {{ .Values.redis.existingSecretKey }}
+{{- else if .Values.redis.url }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.secretName" . }}
+      key: redis-url
+{{- else }}
+  value: {{ printf "redis://%s:6379/0" (include "pdserve.redisService" .) | quote }}
+{{- end }}
+- name: PDSERVE_REDIS_PREFIX
+  value: {{ .Values.redis.prefix | quote }}
+{{- end -}}
+
+{{- define "pdserve.tokenEnv" -}}
+{{- if .Values.internalToken.enabled -}}
+- name: PDSERVE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.internalToken.existingSecret | default (include "pdserve.secretName" .) }}
+      key: {{ if .Values.internalToken.existingSecret }}{{ .Values.internalToken.existingSecretKey }}{{ else }}internal-token{{ end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.apiKeyEnv" -}}
+{{- if .Values.apiKey.enabled -}}
+- name: PDSERVE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.existingSecret | default (include "pdserve.secretName" .) }}
+      key: {{ if .Values.apiKey.existingSecret }}{{ .Values.apiKey.existingSecretKey }}{{ else }}api-key{{ end }}
+{{- end }}
+{{- end -}}
+
+{{/* A value as a flag's text: whole numbers without a decimal point, booleans on/off. */}}
+{{- define "pdserve.flagValue" -}}
+{{- if kindIs "bool" . -}}{{- ternary "on" "off" . -}}
+{{- else if and (kindIs "float64" .) (eq (float64 (int64 .)) .) -}}{{- int64 . -}}
+{{- else -}}{{- toString . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* (dict "values" MAP "keys" LIST): `--kebab-case=value` for each key set (not null). */}}
+{{- define "pdserve.flags" -}}
+{{- $values := .values -}}
+{{- range $key := .keys }}
+{{- $value := index $values $key }}
+{{- if not (kindIs "invalid" $value) }}
+- {{ printf "--%s=%s" (kebabcase $key) (include "pdserve.flagValue" $value) | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A worker's engine: the cluster's engine values, then its pool's. */}}
+{{- define "pdserve.engineArgs" -}}
+{{- $engine := mergeOverwrite (deepCopy .root.Values.engine) (.pool.engine | default dict) -}}
+{{- include "pdserve.flags" (dict "values" $engine "keys" (keys $engine | sortAlpha)) -}}
+{{- end -}}
+
+{{/* The flags every pdserve service takes the same way. */}}
+{{- define "pdserve.commonArgs" -}}
+- {{ printf "--log-level=%s" .Values.logLevel | quote }}
+- {{ printf "--log-format=%s" .Values.logFormat | quote }}
+{{- if .Values.tls.enabled }}
+- "--tls-cert=/etc/pdserve/tls/tls.crt"
+- "--tls-key=/etc/pdserve/tls/tls.key"
+- "--tls-ca=/etc/pdserve/tls/ca.crt"
+{{- with .Values.tls.serverName }}
+- {{ printf "--tls-server-name=%s" . | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The checkpoint directory every pdserve container passes as --model. */}}
+{{- define "pdserve.modelPath" -}}
+{{- $dir := .Values.model.dir -}}
+{{- if and (not $dir) (eq .Values.model.source "prepare") -}}{{- $dir = "models/SmolLM2-135M-Instruct" -}}{{- end -}}
+{{- if $dir -}}{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) $dir -}}{{- else -}}{{- .Values.model.mountPath -}}{{- end -}}
+{{- end -}}

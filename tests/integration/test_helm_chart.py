@@ -1,0 +1,284 @@
+"""The Helm chart (helm/pdserve), rendered by the real helm binary with its default values and
+each value set of helm/pdserve/ci: `helm lint --strict`, every object valid for Kubernetes 1.35,
+what the schema refuses, scaling by replicas alone, and every pdserve command line it writes
+accepted by pdserve's own parsers."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+from services.common.command_config import PrepareModelSettings, known_env
+from services.common.config import DecodeSettings, GatewaySettings, KVStoreSettings, PrefillSettings
+from services.common.settings import parse_settings
+from tests.chart_pods import expand
+from tests.helm_chart import CHART, CI_VALUES, component, helm, of_kind, render, template
+from tests.k8s_validate import validate
+
+VALUE_SETS = [None, *CI_VALUES]
+SET_IDS = ["default", *(f.name.removesuffix("-values.yaml") for f in CI_VALUES)]
+SETTINGS = {
+    "gateway": GatewaySettings,
+    "prefill": PrefillSettings,
+    "decode": DecodeSettings,
+    "kvstore": KVStoreSettings,
+    "prepare-model": PrepareModelSettings,
+}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    """Every value set, rendered once."""
+    return {i: render([f] if f else []) for i, f in zip(SET_IDS, VALUE_SETS, strict=True)}
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def flag(container: dict, name: str) -> str | None:
+    """The value of ``--name=VALUE`` in a container's args."""
+    for arg in container.get("args", []):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def labels_match(selector: dict, labels: dict) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        present = labels.get(e["key"])
+        if e["operator"] == "In" and present not in e["values"]:
+            return False
+        if e["operator"] == "NotIn" and present in e["values"]:
+            return False
+    return True
+
+
+def pod_labels(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=SET_IDS)
+def test_helm_lint_strict(values):
+    done = helm("lint", "--strict", str(CHART), *(["-f", str(values)] if values else []))
+    assert "[WARNING]" not in done.stdout and "[ERROR]" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("set_id", SET_IDS)
+def test_every_rendered_object_is_valid_for_kubernetes_1_35(rendered, set_id):
+    docs = rendered[set_id]
+    for doc in docs:
+        validate(doc)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"} <= kinds
+
+
+def test_the_validation_can_fail(rendered):
+    decode = copy.deepcopy(of_kind(rendered["default"], "Deployment")["t-pdserve-decode"])
+    decode["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # not "resources"
+    with pytest.raises(AssertionError, match="resource"):
+        validate(decode)
+    scaled = copy.deepcopy(of_kind(rendered["autoscaling-monitoring"], "ScaledObject"))
+    so = scaled["t-pdserve-prefill"]
+    so["spec"]["triggers"][0]["metadata"]["threshold"] = 4  # KEDA wants strings
+    with pytest.raises(AssertionError, match="threshold"):
+        validate(so)
+
+
+@pytest.mark.parametrize(
+    ("values", "names"),
+    [
+        ({"decode.replicsa": 2}, "replicsa"),
+        ({"gatway": {"replicas": 2}}, "gatway"),
+        ({"decode.replicas": -1}, "/decode/replicas"),
+        ({"prefill.replicas": -3}, "/prefill/replicas"),
+        ({"engine.dtype": "fp8"}, "/engine/dtype"),
+        # A pool cannot take its own dtype: prefill and decode must agree on it.
+        ({"decode.engine.dtype": "float32"}, "dtype"),
+        ({"engine.blockSize": 24}, "/engine/blockSize"),
+        ({"decode.engine.kvCacheMemory": "lots"}, "kvCacheMemory"),
+        ({"model.source": "s3"}, "/model/source"),
+        ({"model.source": "pvc"}, "claimName"),
+        ({"internalToken.value": "short"}, "/internalToken/value"),
+        ({"decode.autoscaling.keda.enabled": True}, "query"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_schema_refuses(values, names):
+    done = template(set_values=values, check=False)
+    assert done.returncode != 0, f"{values} rendered"
+    assert "schema" in done.stderr and names in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("pool", ["decode", "prefill", "kvstore", "gateway"])
+def test_scaling_a_pool_is_its_replicas_alone(pool):
+    one = render(set_values={f"{pool}.replicas": 1})
+    five = render(set_values={f"{pool}.replicas": 5})
+    secret = "t-pdserve"
+    diffs = [
+        (a["kind"], a["metadata"]["name"])
+        for a, b in zip(one, five, strict=True)
+        if a != b and a["metadata"]["name"] != secret  # random tokens differ per render
+    ]
+    assert diffs == [("Deployment", f"t-pdserve-{pool}")]
+    a = of_kind(one, "Deployment")[f"t-pdserve-{pool}"]
+    b = copy.deepcopy(of_kind(five, "Deployment")[f"t-pdserve-{pool}"])
+    assert (a["spec"]["replicas"], b["spec"]["replicas"]) == (1, 5)
+    b["spec"]["replicas"] = 1
+    assert a == b
+
+
+def test_an_autoscaled_pool_leaves_its_replicas_to_the_autoscaler(rendered):
+    docs = rendered["autoscaling-monitoring"]
+    deployments = of_kind(docs, "Deployment")
+    targets = {d["spec"]["scaleTargetRef"]["name"] for d in docs if d["kind"] == "ScaledObject"}
+    hpas = of_kind(docs, "HorizontalPodAutoscaler")
+    targets |= {h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()}
+    assert targets == {f"t-pdserve-{p}" for p in ("gateway", "prefill", "decode", "kvstore")}
+    for name in targets:
+        assert "replicas" not in deployments[name]["spec"], name
+    decode = hpas["t-pdserve-decode"]["spec"]["metrics"]
+    assert [m["type"] for m in decode] == ["Resource", "Pods"]  # CPU, then the pool's signal
+    assert "t-pdserve-prefill" not in hpas  # KEDA owns that one
+
+
+def resolved_env(container: dict) -> dict[str, str]:
+    """A container's env with placeholders where the cluster fills it in."""
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+        elif "fieldRef" in var["valueFrom"]:
+            env[var["name"]] = "10.1.2.3"
+        elif "resourceFieldRef" in var["valueFrom"]:
+            env[var["name"]] = "2"
+        elif var["name"] == "PDSERVE_REDIS_URL":
+            env[var["name"]] = "redis://:pw@redis.example:6379/0"
+        else:
+            env[var["name"]] = "x" * 32
+    return env
+
+
+@pytest.mark.parametrize("set_id", SET_IDS)
+def test_pdserve_accepts_every_command_line_the_chart_writes(rendered, set_id, monkeypatch):
+    seen = set()
+    for deployment in of_kind(rendered[set_id], "Deployment").values():
+        for c in containers(deployment):
+            if c["command"][0] != "pdserve":
+                continue
+            env = resolved_env(c)
+            unknown = sorted(n for n in env if n.startswith("PDSERVE_") and n not in known_env())
+            assert unknown == [], f"{c['name']}: pdserve reads no {unknown}"
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            args = [expand(a, env) for a in c["args"]]
+            command = c["command"][1]
+            try:
+                parse_settings(SETTINGS[command], args, prog=f"pdserve {command}", description="")
+            except SystemExit:
+                pytest.fail(f"pdserve {command} refuses {args} (stderr above)")
+            for name in env:
+                monkeypatch.delenv(name)
+            seen.add(command)
+    assert {"gateway", "decode"} <= seen
+
+
+@pytest.mark.parametrize("set_id", SET_IDS)
+def test_probes_ports_and_grace_fit_each_container(rendered, set_id):
+    docs = rendered[set_id]
+    for deployment in of_kind(docs, "Deployment").values():
+        spec = deployment["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c.get(kind)
+            if probe is None:
+                continue
+            (check,) = (probe[k] for k in ("grpc", "httpGet", "tcpSocket") if k in probe)
+            assert check["port"] in (*ports, *ports.values()), (c["name"], kind)
+        if c["command"][0] != "pdserve":
+            continue
+        port = flag(c, "port")
+        assert port and int(port) in ports.values()
+        if component(deployment) != "gateway":
+            assert flag(c, "advertise-address") == f"$(POD_IP):{port}"
+            if "grpc" in c["readinessProbe"]:
+                assert c["readinessProbe"]["grpc"]["port"] == int(port)
+        drain = float(flag(c, "drain-timeout"))
+        pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert spec["terminationGracePeriodSeconds"] > drain + pause
+    for svc in of_kind(docs, "Service").values():
+        pods = [d for d in of_kind(docs, "Deployment").values()]
+        (target,) = [
+            d for d in pods if labels_match({"matchLabels": svc["spec"]["selector"]}, pod_labels(d))
+        ]
+        names = {p["name"] for p in target["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= names
+
+
+@pytest.mark.parametrize("set_id", SET_IDS)
+def test_network_policies_expose_only_the_gateway(rendered, set_id):
+    docs = rendered[set_id]
+    policies = of_kind(docs, "NetworkPolicy").values()
+    release = {"app.kubernetes.io/instance": "t", "app.kubernetes.io/name": "pdserve"}
+    for deployment in of_kind(docs, "Deployment").values():
+        labels = pod_labels(deployment)
+        mine = [p for p in policies if labels_match(p["spec"]["podSelector"], labels)]
+        assert mine, f"{component(deployment)} has no NetworkPolicy"
+        peers = [
+            peer for p in mine for rule in p["spec"]["ingress"] for peer in rule.get("from", [])
+        ]
+        if component(deployment) == "gateway":
+            continue
+        assert peers and all(set(peer) == {"podSelector"} for peer in peers), peers
+        assert all(peer["podSelector"]["matchLabels"] == release for peer in peers)
+
+
+@pytest.mark.parametrize("set_id", SET_IDS)
+def test_every_pool_loads_one_model_from_one_volume(rendered, set_id):
+    models, volumes = set(), []
+    for deployment in of_kind(rendered[set_id], "Deployment").values():
+        spec = deployment["spec"]["template"]["spec"]
+        for c in spec["containers"]:
+            if c["command"][0] == "pdserve" and flag(c, "model"):
+                models.add(flag(c, "model"))
+                volumes.append(next(v for v in spec["volumes"] if v["name"] == "model"))
+    assert len(models) == 1 and len(volumes) >= 2
+    assert all(v == volumes[0] for v in volumes)
+
+
+def test_secrets_stay_out_of_the_pod_specs(rendered):
+    docs = rendered["external-redis"]
+    secret = of_kind(docs, "Secret")["t-pdserve"]
+    assert set(secret["data"]) == {"internal-token", "redis-url"}  # the API key is the user's
+    text = str([d for d in docs if d["kind"] != "Secret"])
+    assert "s3cret" not in text
+    assert "t-pdserve-redis" not in of_kind(docs, "Deployment")
+    default = of_kind(rendered["default"], "Secret")["t-pdserve"]
+    assert set(default["data"]) == {"internal-token", "api-key"}
+
+
+def test_gpu_decode_pool_beside_a_cpu_prefill_pool(rendered):
+    deployments = of_kind(rendered["gpu-decode"], "Deployment")
+    decode = deployments["t-pdserve-decode"]["spec"]["template"]["spec"]
+    prefill = deployments["t-pdserve-prefill"]["spec"]["template"]["spec"]
+    (d,), (p,) = decode["containers"], prefill["containers"]
+    assert d["resources"]["limits"]["nvidia.com/gpu"] == 1 and d["image"].endswith("-cuda")
+    assert "nvidia.com/gpu" not in str(p["resources"]) and not re.search(
+        r"-(cuda|slim)$", p["image"]
+    )
+    assert (flag(d, "device"), flag(p, "device")) == ("cuda", "cpu")
+    assert flag(d, "dtype") == flag(p, "dtype") and flag(d, "block-size") == flag(p, "block-size")
+
+
+def test_notes_tell_how_to_reach_the_gateway_and_run_status():
+    done = helm("install", "t", str(CHART), "--dry-run=client", "--namespace", "pdserve")
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert "port-forward svc/t-pdserve-gateway 8000:80" in notes
+    assert "exec deploy/t-pdserve-gateway -- pdserve status" in notes
+    assert "get secret t-pdserve -o jsonpath='{.data.api-key}'" in notes

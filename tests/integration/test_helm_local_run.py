@@ -1,0 +1,162 @@
+"""The chart runs: what it renders, started as local processes (tests/chart_pods.py), serves a
+chat through the gateway Service, and `pdserve status` (as NOTES.txt runs it, inside the
+gateway's pod) lists every pool. Only the values a user would set differ from the defaults:
+the model (the tiny random Llama on a hostPath), its engine settings, and
+`decode.replicas=2`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.chart_pods import LocalCluster
+from tests.helm_chart import render
+
+START_S = 120.0
+WAIT_S = 30.0
+MAX_TOKENS = 8
+# Several KV blocks long, so that the router weighs each decode worker's load.
+LONG = "the quick brown fox jumps over the lazy dog. " * 12
+
+
+@pytest.fixture
+def cluster(tmp_path, tiny_chat_llama_path):
+    model = str(tiny_chat_llama_path)
+    manifests = render(
+        set_values={
+            "model.source": "hostPath",
+            "model.hostPath.path": model,
+            "model.mountPath": model,
+            "engine.dtype": "float32",
+            "engine.enforceEager": True,
+            "engine.kvCacheMemory": "64MiB",
+            "decode.replicas": 2,
+        }
+    )
+    c = LocalCluster(manifests, tmp_path)
+    try:
+        c.start(timeout=START_S)
+        yield c
+    finally:
+        c.stop()
+    codes = {r.child.name: r.child.proc.returncode for r in c.running}
+    assert all(code == 0 for code in codes.values()), f"not a clean drain on SIGTERM: {codes}"
+
+
+def status(cluster: LocalCluster) -> dict:
+    """`pdserve status --json` with the gateway container's env (`kubectl exec`)."""
+    done = subprocess.run(
+        ["pdserve", "status", "--json"],
+        env=cluster.exec_env("gateway"),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def pool_addresses(body: dict) -> dict[str, set[str]]:
+    return {role: {w["address"] for w in p["workers"]} for role, p in body["pools"].items()}
+
+
+def wait_for_pools(cluster: LocalCluster, expected: dict[str, set[str]]) -> dict:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        body = status(cluster)
+        if pool_addresses(body) == expected:
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"registry {pool_addresses(body)}, expected {expected}")
+        time.sleep(0.2)
+
+
+def chat(base: str, api_key: str | None, content: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+async def chats(base: str, api_key: str, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        body = {
+            "model": "tiny",
+            "max_tokens": 32,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        return await asyncio.gather(
+            *(
+                client.post(
+                    f"{base}/v1/chat/completions",
+                    json={**body, "messages": [{"role": "user", "content": f"{i} {LONG}"}]},
+                    headers={"Authorization": f"Bearer {api_key}"},
+                )
+                for i in range(n)
+            )
+        )
+
+
+def gateway_metric(base: str, name: str, **labels: str) -> float:
+    """The sum of the gateway's ``name`` samples whose labels include ``labels``."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
+    pods = {p.component: [] for p in cluster.pods}
+    for p in cluster.pods:
+        pods[p.component].append(p)
+    assert {c: len(ps) for c, ps in pods.items()} == {
+        "gateway": 1,
+        "prefill": 1,
+        "decode": 2,
+        "kvstore": 1,
+        "redis": 1,
+    }
+    # Each worker registered the address its pod was given: $(POD_IP) and its own port.
+    expected = {
+        role: {f"127.0.0.1:{next(iter(p.ports.values()))}" for p in pods[role]}
+        for role in ("prefill", "decode", "kvstore")
+    }
+    wait_for_pools(cluster, expected)
+
+    base = "http://" + cluster.service_address("t-pdserve-gateway", "http")
+    api_key = cluster.secrets["t-pdserve"]["api-key"]
+    assert chat(base, None, "hi").status_code == 401  # the chart's API key is enforced
+
+    reply = chat(base, api_key, "the quick brown fox")
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert isinstance(answer["choices"][0]["message"]["content"], str)
+    # Disaggregated: prefilled by the prefill pool, its KV through the kvstore.
+    assert gateway_metric(base, "pdserve:prefill_requests_total", where="remote") >= 1
+
+    # Both decode replicas serve: requests in flight together spread over the pool.
+    replies = asyncio.run(chats(base, api_key, 8))
+    assert [r.status_code for r in replies] == [200] * 8
+    body = wait_for_pools(cluster, expected)
+    served = [w["requests_total"] for w in body["pools"]["decode"]["workers"]]
+    assert len(served) == 2 and all(n > 0 for n in served), served
+
+    logs = "\n".join(r.child.log_text() for r in cluster.running)
+    assert "is not a pdserve setting" not in logs  # every PDSERVE_* the chart sets is read
