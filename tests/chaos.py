@@ -26,6 +26,7 @@ from services.common.launcher import Child, free_port
 from services.common.redis_server import RedisServer, start_redis
 from services.common.registry_view import RegistryView
 from tests.cluster import Cluster, decode_idle, decode_stat
+from tests.integration.test_migration import metric
 
 # One torch thread each: four engine processes share the machine's cores (more threads
 # than cores make oneDNN spin, and steps tens of times slower).
@@ -209,7 +210,11 @@ async def complete(client: httpx.AsyncClient, body: dict, request_id: str):
     return tokens, finish
 
 
-_ROUTE = re.compile(r"\(client id '(?P<id>[^']+)'\): .*, on (?P<moves>\S+(?: -> \S+)*)$", re.M)
+# The per-request line ends "on A -> B -> C", then maybe the log context: " [request_id=...]".
+_ROUTE = re.compile(
+    r"\(client id '(?P<id>[^']+)'\): .*, on (?P<moves>[^\s\[]+(?: -> \S+)*)(?: \[[^\]]*\])?$",
+    re.M,
+)
 
 
 def routes(gateway_log: str) -> dict[str, list[str]]:
@@ -348,10 +353,11 @@ class ChaosCluster:
 
     async def _gateway_pools(self) -> int:
         """The smallest of the gateway's three pool sizes."""
-        async with httpx.AsyncClient(timeout=10) as client:
-            text = (await client.get(f"{self.url}/metrics")).text
-        sizes = re.findall(r'^pdserve:pool_workers\{[^}]*pool="\w+"\} (\S+)$', text, re.M)
-        return int(min(float(s) for s in sizes))
+        sizes = [
+            await asyncio.to_thread(metric, self.url, "pdserve:pool_workers", pool=role)
+            for role in ("prefill", "decode", "kvstore")
+        ]
+        return int(min(sizes))
 
     async def restart(self, child: Child) -> None:
         """Start ``child``'s command again and wait until the cluster is whole."""
