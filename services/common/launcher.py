@@ -56,6 +56,7 @@ class Child:
     ready_after_s: float | None = None
     _lines: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _eof: bool = False
+    _run: int = 0  # which start of the command the current process is (restarts count)
 
     @property
     def pid(self) -> int:
@@ -97,8 +98,10 @@ class Child:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(sig)
 
-    def _read(self, stdout: Iterable[bytes]) -> None:
-        """The reader thread: every stdout line to the log; READY lines to ``addresses``."""
+    def _read(self, stdout: Iterable[bytes], run: int) -> None:
+        """The reader thread of the ``run``-th start: every stdout line to the log; READY
+        lines to ``addresses``. A reader that outlives its process's restart (its end of
+        the pipe closes late on a busy machine) speaks no more for the child."""
         with open(self.log_path, "ab") as log:
             for raw in stdout:
                 log.write(raw)
@@ -106,10 +109,12 @@ class Child:
                 words = raw.decode(errors="replace").split()
                 if len(words) == 3 and words[0] == "READY" and words[1] in self.expect:
                     with self._lines:
-                        self.addresses[words[1]] = words[2]
+                        if run == self._run:
+                            self.addresses[words[1]] = words[2]
                         self._lines.notify_all()
         with self._lines:
-            self._eof = True
+            if run == self._run:
+                self._eof = True
             self._lines.notify_all()
 
 
@@ -219,15 +224,20 @@ class Launcher:
             # Before the child's runtime starts its threads, which inherit the mask.
             os.sched_setaffinity(child.proc.pid, child.cpus)
         threading.Thread(
-            target=child._read, args=(child.proc.stdout,), name=f"{child.name}-stdout", daemon=True
+            target=child._read,
+            args=(child.proc.stdout, child._run),
+            name=f"{child.name}-stdout",
+            daemon=True,
         ).start()
 
     def restart(self, child: Child) -> Child:
         """Stop ``child`` if it still runs, then start its command again (same name, log, CPUs)."""
         self.stop([child])
-        child.addresses.clear()
+        with child._lines:
+            child._run += 1
+            child.addresses.clear()
+            child._eof = False
         child.ready_after_s = None
-        child._eof = False
         child.started_at = time.monotonic()
         self._spawn(child)
         return child

@@ -43,7 +43,7 @@ from services.common.wire import (
     logprob_to_proto,
     sampling_from_proto,
 )
-from services.engine.async_engine import AsyncEngine, Handover
+from services.engine.async_engine import AsyncEngine, EngineDead, Handover
 from services.worker.runtime import error_status, serve_engine, start_engine
 from services.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
@@ -110,6 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.trust = trust
         self.fetch_timeout_s = fetch_timeout_s
         self._kvstores: dict[str, KVStoreClient] = {}
+        self.num_fetch_failures = 0  # fetches from one kvstore that failed: recomputed
 
     def _kvstore(self, address: str) -> KVStoreClient:
         if address not in self._kvstores:
@@ -148,6 +149,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         fetched = FetchedBlocks()
         for address, result in zip(by_address, results, strict=True):
             if isinstance(result, grpc.aio.AioRpcError):
+                self.num_fetch_failures += 1
                 logger.warning(
                     "request %s: fetch from kvstore %s failed (%s: %s); recomputing its %d blocks",
                     request_id,
@@ -301,7 +303,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Stat(
         self, request: decode_pb2.DecodeStatRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.DecodeStatResponse:
-        s = await self.engine.call(lambda e: e.stats())
+        try:
+            s = await self.engine.call(lambda e: e.stats())
+        except EngineDead as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the worker's engine failed ({e}); it is leaving"
+            )
         return decode_pb2.DecodeStatResponse(
             num_total_blocks=s.num_total_blocks,
             num_free_blocks=s.num_free_blocks,
@@ -312,6 +319,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             kv_blocks_imported=s.num_imported_blocks,
             kv_bytes_imported=s.num_imported_bytes,
             kv_blocks_rejected=s.num_rejected_blocks,
+            kv_fetch_failures=self.num_fetch_failures,
         )
 
 

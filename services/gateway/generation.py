@@ -16,7 +16,7 @@ import grpc
 
 from services.common.pb import common_pb2, gateway_pb2
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.orchestrator import Orchestrator, WorkerProtocolError
+from services.gateway.orchestrator import Orchestrator, StreamStalled, WorkerProtocolError
 from services.gateway.requests import InvalidRequest, PreparedRequest
 from services.gateway.router import NoWorkerError
 from services.gateway.stop import StopChecker
@@ -25,7 +25,13 @@ from services.gateway.telemetry import RequestTelemetry
 logger = logging.getLogger(__name__)
 
 # What a request can meet on its way; anything else is a bug in the gateway.
-REQUEST_ERRORS = (InvalidRequest, grpc.aio.AioRpcError, NoWorkerError, WorkerProtocolError)
+REQUEST_ERRORS = (
+    InvalidRequest,
+    grpc.aio.AioRpcError,
+    NoWorkerError,
+    StreamStalled,
+    WorkerProtocolError,
+)
 
 
 async def generate(

@@ -73,7 +73,7 @@ class GatewayMetrics:
         )
         for where, key in PREFILL_PLACES:
             yield ("prefill_requests", "counter", text, {"where": where}, c[key])
-        text = "Calls retried on another worker after one was unreachable."
+        text = "Calls retried on another worker after one was unreachable or hung unanswered."
         yield ("worker_retries", "counter", text, c["retries"])
         text = (
             "Decode streams moved to another decode worker after theirs broke, by reason: "

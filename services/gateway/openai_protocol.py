@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.config import MAX_N
+from services.gateway.orchestrator import StreamStalled
 from services.gateway.requests import InvalidRequest
 from services.gateway.router import NoWorkerError
 
@@ -134,7 +135,7 @@ def api_error_of(error: Exception) -> APIError:
         status = _HTTP_STATUS.get(error.code(), 500)
         kind = "invalid_request_error" if status < 500 else "server_error"
         return APIError(status, error.details() or error.code().name, kind)
-    if isinstance(error, NoWorkerError):
+    if isinstance(error, NoWorkerError | StreamStalled):
         return APIError(503, str(error), "server_error")
     return APIError(500, f"bug in a worker: {error}", "server_error")
 

@@ -64,7 +64,9 @@ class Orchestrator:
     """Runs requests on the workers its router picks, each gRPC call under a deadline.
 
     A call that cannot reach its worker (UNAVAILABLE before any answer: the worker died
-    or is draining) is retried on another worker of the pool, up to ``max_attempts``.
+    or is draining), or a decode stream that sends nothing for ``stream_idle_timeout_s``
+    before the client has a token, is retried on another worker of the pool, up to
+    ``max_attempts``.
     A decode stream that breaks after the client has tokens (its worker died, hangs past
     ``stream_idle_timeout_s``, or failed) **migrates**: another decode worker gets the
     prompt and the tokens so far and continues the stream, the client sees no gap and no
@@ -173,6 +175,7 @@ class Orchestrator:
         span: Any = tracing.NO_SPAN,
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         tried: set[str] = set()
+        unreachable: set[str] = set()  # workers this request found dead: never again
         generated: list[int] = []  # the tokens the decode streams delivered so far
         migrations = 0
         call = request
@@ -191,11 +194,16 @@ class Orchestrator:
                     route = await self._retry_route("decode", error, False, route, prompt, tried)
                     continue
                 reason = _migration_reason(error)
+                if reason in ("unavailable", "stalled"):
+                    # Registry pools skip it until it heartbeats again: a frozen process
+                    # does not, a worker that is only slow does at once.
+                    self.router.mark_unreachable(route)
+                if reason == "unavailable":
+                    unreachable.add(route.worker.worker_id)
                 if reason is None or migrations >= self.migration_limit:
                     raise
-                if reason == "unavailable":
-                    self.router.mark_unreachable(route)
-                moved = await self._migration_target(prompt, tried, error)
+                exclude = frozenset({route.worker.worker_id, *unreachable})
+                moved = await self._migration_target(prompt, exclude, error)
                 migrations += 1
                 self.counters[f"migrations:{reason}"] += 1
                 logger.warning(
@@ -219,16 +227,17 @@ class Orchestrator:
                 route, call = moved, _resumed(request, generated)
 
     async def _migration_target(
-        self, prompt: list[int], tried: set[str], error: Exception
+        self, prompt: list[int], exclude: frozenset[str], error: Exception
     ) -> Route:
-        """Another decode worker for a broken stream; with none left, wait up to
-        ``migration_wait_s`` for one (a supervisor restarting the only one), then raise
-        ``error``."""
+        """Another decode worker for a broken stream, not one of ``exclude`` (the one it
+        broke on, those it found dead); one it left frozen or failing may take it back
+        once the router lists it again. With none, wait up to ``migration_wait_s`` for
+        one (a supervisor restarting the only one), then raise ``error``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.migration_wait_s
         while True:
             try:
-                return await self.router.pick("decode", prompt, exclude=frozenset(tried))
+                return await self.router.pick("decode", prompt, exclude=exclude)
             except NoWorkerError:
                 if loop.time() >= deadline:
                     raise error from None
@@ -272,17 +281,21 @@ class Orchestrator:
     async def _retry_route(
         self,
         role: str,
-        error: grpc.aio.AioRpcError,
+        error: Exception,
         answered: bool,
         route: Route,
         prompt: list[int],
         tried: set[str],
     ) -> Route:
-        """Another worker for a call that failed to reach ``route``; re-raise ``error`` when
-        the failure is not a connection failure, the worker had answered, or none is left."""
+        """Another worker for a call that got nothing from ``route``: it was unreachable
+        (UNAVAILABLE) or hung past the idle timeout (``StreamStalled``); re-raise ``error``
+        for any other failure, when the worker had answered, or when none is left."""
+        unreachable = (
+            isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        )
         if (
             answered
-            or error.code() != grpc.StatusCode.UNAVAILABLE
+            or not (unreachable or isinstance(error, StreamStalled))
             or len(tried) >= (self.max_attempts)
         ):
             raise error
@@ -293,10 +306,10 @@ class Orchestrator:
             raise error from None
         self.counters["retries"] += 1
         logger.warning(
-            "%s worker %s unreachable (%s); retrying on %s",
+            "%s worker %s gave no answer (%s); retrying on %s",
             role,
             route.address,
-            error.details(),
+            _describe(error),
             retry.address,
         )
         return retry

@@ -30,7 +30,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -129,7 +129,9 @@ class Router:
         self.pools = pools
         self.policy = policy or RoutingPolicy()
         self.fingerprint = fingerprint
-        self._turn = itertools.count()
+        # One rotation per pool: a request that picks a decode and a prefill worker must
+        # not make each pool skip every other worker.
+        self._turns: defaultdict[str, Iterator[int]] = defaultdict(itertools.count)
         self._inflight_blocks: Counter[str] = Counter()
         self._inflight_requests: Counter[str] = Counter()
         self.routed: Counter[tuple[str, str]] = Counter()  # (role, worker id) -> requests
@@ -154,7 +156,7 @@ class Router:
     ) -> Route:
         """The worker of ``role`` to send ``prompt`` to."""
         workers = self.candidates(role, exclude)
-        turn = next(self._turn)
+        turn = next(self._turns[role])
         if self.policy.mode == "round-robin":
             return self._route(role, workers[turn % len(workers)], prompt, 0)
         hashes = _hashes_by_block_size(prompt, self.fingerprint)

@@ -35,7 +35,7 @@ from services.gateway.generation import REQUEST_ERRORS, generate
 from services.gateway.http import HttpServer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import RETRY_AFTER_S, Served, create_app
-from services.gateway.orchestrator import Orchestrator
+from services.gateway.orchestrator import Orchestrator, StreamStalled
 from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
 from services.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
 from services.gateway.telemetry import RequestTelemetry, request_attributes
@@ -257,7 +257,7 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, grpc.aio.AioRpcError):
         logger.warning("worker call failed: %s %s", error.code().name, error.details())
         return error.code(), error.details() or error.code().name
-    if isinstance(error, NoWorkerError):
+    if isinstance(error, NoWorkerError | StreamStalled):
         return grpc.StatusCode.UNAVAILABLE, str(error)
     logger.error("%s", error)
     return grpc.StatusCode.INTERNAL, f"bug in a worker: {error}"

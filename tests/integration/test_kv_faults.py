@@ -28,7 +28,7 @@ from services.common.pb import (
 )
 from services.common.wire import layout_to_proto
 from services.engine import LLM
-from tests.cluster import Cluster, decode_idle
+from tests.cluster import Cluster, decode_idle, decode_stat
 from tests.integration.test_block_integrity import (
     decode_call,
     exported_blocks,
@@ -183,10 +183,13 @@ async def test_a_failing_fetch_is_recomputed_exactly(cluster, prefill_engine, re
         kvstore_address=cluster.fetch_kvstore,
         layout=layout_to_proto(prefill_engine.engine.block_layout()),
     )
+    failures = (await decode_stat(cluster.decode.address)).kv_fetch_failures
     async with broken_kvstore(cluster, cluster.fetch_kvstore, fault, blocks) as servicer:
         await check_recomputed(cluster, request, want, first)
         if servicer is not None:
             assert servicer.calls == ["get"]
+    failures = (await decode_stat(cluster.decode.address)).kv_fetch_failures - failures
+    assert failures == (0 if fault == "lost" else 1)
     log = cluster.decode.log_text()
     if fault == "lost":
         assert f"request {rid}: fetch" not in log

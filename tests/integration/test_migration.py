@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -61,7 +62,7 @@ def start_cluster(model_path, log_dir, disaggregated: bool, decode0_env=None) ->
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def cluster(request, tiny_chat_llama_path, tmp_path_factory):
-    """One cluster per mode for the module's tests, in order: a stall (the worker lives
+    """One cluster per mode for the module's tests, in order: stalls (the worker lives
     on), a kill (decode-0 is gone after it), a dead prefill worker (disaggregated)."""
     log_dir = tmp_path_factory.mktemp(f"migration-{request.param}")
     c = start_cluster(tiny_chat_llama_path, log_dir, request.param == "disaggregated")
@@ -71,6 +72,43 @@ def cluster(request, tiny_chat_llama_path, tmp_path_factory):
         yield c
     finally:
         c.stop_all()
+
+
+@pytest.fixture(scope="module")
+def unmigrating(cluster, tiny_chat_llama_path):
+    """A second gateway over the cluster's workers, with --migration-limit 0."""
+    pools = [] if cluster.mode == "disaggregated" else ["--disaggregation", "off"]
+    for s in cluster.services:
+        if s.name == "prefill" or s.name.startswith("decode-"):
+            pools += [f"--{s.name.split('-')[0]}", s.address]
+    gw = cluster.start(
+        "gateway-unmigrating",
+        "services.gateway",
+        *pools,
+        *("--routing", "round-robin", "--stream-idle-timeout", str(IDLE_S)),
+        *("--migration-limit", "0", "--served-model-name", MODEL),
+        *("--model", str(tiny_chat_llama_path)),
+    )
+    gw.url = f"http://{gw.addresses['gateway-http']}"
+    return gw
+
+
+def completions(url: str, n: int, max_tokens: int, at_once: bool) -> list[httpx.Response]:
+    """Non-streamed completions of the first ``n`` bodies, together or one after another."""
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            calls = [
+                client.post(
+                    "/v1/completions", json={**body(i), "stream": False, "max_tokens": max_tokens}
+                )
+                for i in range(n)
+            ]
+            if at_once:
+                return await asyncio.gather(*calls)
+            return [await call for call in calls]
+
+    return asyncio.run(go())
 
 
 def body(i: int) -> dict:
@@ -139,6 +177,15 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
+def routable(url: str, within_s: float = 15.0) -> None:
+    """Wait until the gateway routes to both decode workers (one it found unreachable or
+    stalled sits out 5 s), so that a test's streams reach the one it harms."""
+    deadline = time.monotonic() + within_s
+    while metric(url, "pdserve:pool_workers", pool="decode") != 2:
+        assert time.monotonic() < deadline, f"decode-0 not routable again within {within_s} s"
+        time.sleep(0.1)
+
+
 def check(got, want) -> None:
     for i, ((tokens, num_logprobs, finish), (w_tokens, _, _)) in enumerate(
         zip(got, want, strict=True)
@@ -169,7 +216,74 @@ def test_a_stalled_decode_worker_is_left_after_the_idle_timeout(cluster):
     assert cluster.unhandled_errors() == []
 
 
+def test_a_decode_worker_that_hangs_before_the_first_token_is_left(cluster):
+    """Streams sent to a frozen worker: disaggregated, the client has the prefill's first
+    token and the stream migrates; colocated, it has nothing yet and the call is retried on
+    the other worker. Either way after the idle timeout, with the unbroken run's output."""
+    routable(cluster.url)
+    victim = next(s for s in cluster.services if s.name == "decode-0")
+    gateway = next(s for s in cluster.services if s.name == "gateway")
+    stalled = metric(cluster.url, "pdserve:stream_migrations_total", reason="stalled")
+    retries = metric(cluster.url, "pdserve:worker_retries_total")
+    sent_before = gateway.log_text().count(f"decode@{victim.address}")
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        got, _ = asyncio.run(run_all(cluster.url))
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    check(got, cluster.want)
+    sent = gateway.log_text().count(f"decode@{victim.address}") - sent_before
+    assert sent >= 1
+    stalled = metric(cluster.url, "pdserve:stream_migrations_total", reason="stalled") - stalled
+    retries = metric(cluster.url, "pdserve:worker_retries_total") - retries
+    assert (stalled, retries) == ((sent, 0) if cluster.mode == "disaggregated" else (0, sent))
+    asyncio.run(decode_idle(victim.address, 30, blocks_free=True))
+    assert cluster.unhandled_errors() == []
+
+
+def test_a_frozen_decode_worker_is_avoided_after_its_first_stalled_stream(cluster):
+    """Requests one after another while decode-0 is frozen: the first sent there stalls
+    and moves (or, colocated, is retried); the gateway then leaves decode-0 out (fixed
+    addresses: for 5 s), so no other request waits out the idle timeout."""
+    routable(cluster.url)
+    victim = next(s for s in cluster.services if s.name == "decode-0")
+    gateway = next(s for s in cluster.services if s.name == "gateway")
+    sent_before = gateway.log_text().count(f"decode@{victim.address}")
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        responses = completions(cluster.url, 4, 8, at_once=False)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    assert [r.status_code for r in responses] == [200] * 4
+    assert gateway.log_text().count(f"decode@{victim.address}") - sent_before == 1
+    asyncio.run(decode_idle(victim.address, 30, blocks_free=True))
+    assert cluster.unhandled_errors() == []
+
+
+def test_without_migration_a_stalled_stream_fails_with_a_clear_error(cluster, unmigrating):
+    """--migration-limit 0: a stream that stalls after the client has the prefill's first
+    token fails with 503 and the idle timeout named (colocated: it had no token yet and
+    is retried on the other worker), never a 500 or an unhandled error."""
+    routable(unmigrating.url)
+    victim = next(s for s in cluster.services if s.name == "decode-0")
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        responses = completions(unmigrating.url, 4, 16, at_once=True)  # 2 to each worker
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    failed = [r.json()["error"]["message"] for r in responses if r.status_code != 200]
+    if cluster.mode == "disaggregated":
+        assert sorted(r.status_code for r in responses) == [200, 200, 503, 503], failed
+        assert all("--stream-idle-timeout" in m for m in failed), failed
+    else:
+        assert failed == []
+        assert metric(unmigrating.url, "pdserve:worker_retries_total") == 2
+    asyncio.run(decode_idle(victim.address, 30, blocks_free=True))
+    assert cluster.unhandled_errors() == []
+
+
 def test_a_killed_decode_worker_loses_no_stream(cluster):
+    routable(cluster.url)
     before = metric(cluster.url, "pdserve:stream_migrations_total")
     victim = next(s for s in cluster.services if s.name == "decode-0")
     survivor = next(s for s in cluster.services if s.name == "decode-1")
@@ -190,6 +304,18 @@ def test_a_killed_decode_worker_loses_no_stream(cluster):
     asyncio.run(decode_idle(survivor.address, 30, blocks_free=True))
     # Each request's log line says where it moved.
     assert len(re.findall(moved, gateway.log_text())) - moved_before == cut
+    assert cluster.unhandled_errors() == []
+
+
+def test_without_migration_a_dead_decode_worker_fails_one_request(cluster, unmigrating):
+    """--migration-limit 0 and decode-0 is dead: the first request sent there fails
+    (disaggregated: after the prefill's first token; colocated: it is retried), and the
+    gateway routes the next ones to the live worker."""
+    assert not next(s for s in cluster.services if s.name == "decode-0").alive()
+    routable(unmigrating.url)  # it has not met the dead worker yet
+    responses = completions(unmigrating.url, 6, 8, at_once=False)
+    failed = sum(r.status_code != 200 for r in responses)
+    assert failed == (1 if cluster.mode == "disaggregated" else 0)
     assert cluster.unhandled_errors() == []
 
 

@@ -161,6 +161,35 @@ def test_a_stalled_step_counts_as_dead(cluster, redis_server, tiny_llama_path):
     client.close()
 
 
+def test_a_decode_stat_waiting_on_a_stalled_engine_answers_unavailable(
+    cluster, redis_server, tiny_llama_path
+):
+    """Stat runs on the engine thread: behind a stuck step it waits, and when the watchdog
+    gives the engine up, it says so (UNAVAILABLE), like the requests do."""
+    kwargs = ("--engine-stall-timeout", "2")
+    worker = _worker(
+        cluster, "decode", tiny_llama_path, redis_server, "engine-stall-after:0", *kwargs
+    )
+
+    async def run():
+        decode = asyncio.create_task(_decode(worker.address, max_tokens=8))
+        await asyncio.sleep(0.5)  # its first step has begun, and never returns
+        async with aio_channel(worker.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await decode_pb2_grpc.DecodeStub(ch).Stat(
+                    decode_pb2.DecodeStatRequest(), timeout=30
+                )
+        _, decode_error = await decode
+        return info.value, decode_error
+
+    error, decode_error = asyncio.run(run())
+    assert decode_error.code() == grpc.StatusCode.UNAVAILABLE, decode_error
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert "stuck in one step" in error.details()
+    assert worker.proc.wait(timeout=30) == 3
+    assert "Traceback" not in worker.log_text()
+
+
 def test_slow_steps_under_the_stall_timeout_do_not_trip_it(cluster, redis_server, tiny_llama_path):
     # Each step takes 0.4 s more: the request takes longer than the stall timeout in all,
     # no one step does.

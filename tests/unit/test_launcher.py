@@ -68,6 +68,23 @@ def test_restart_runs_the_command_again(launcher):
     assert child.alive() and child.pid != first and child.address == "127.0.0.1:5"
 
 
+def test_a_restart_is_not_failed_by_the_old_process_closing_its_stdout_late(launcher):
+    """The killed process's end of the pipe closes after the restart (here a process of its
+    own session keeps it open 1 s more; on a busy machine the reader thread may be late):
+    that end of file is the old run's, not the new one's."""
+    code = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3)'], "
+        "start_new_session=True); "
+        "time.sleep(2); print('READY svc 127.0.0.1:5', flush=True); time.sleep(60)"
+    )
+    child = launcher.start_ready("svc", py(code), ["svc"], timeout=30)
+    launcher.stop([child], sig=signal.SIGKILL)
+    launcher.restart(child)
+    launcher.wait_ready([child], timeout=30)
+    assert child.alive() and child.address == "127.0.0.1:5"
+
+
 def test_stop_ends_the_process_group_and_kills_what_ignores_sigterm(launcher):
     # The child ignores SIGTERM and starts a grandchild: both must be gone after stop().
     code = (

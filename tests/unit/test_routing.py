@@ -100,6 +100,19 @@ async def test_ties_rotate_and_round_robin_ignores_caches():
     assert picks == ["a", "b", "a", "b"]
 
 
+async def test_each_pool_takes_its_turns_apart():
+    """A disaggregated request picks a decode and a prefill worker: each pool rotates on
+    its own, so two decode workers both get requests."""
+    prefill = [WorkerInfo(w, "prefill", f"{w}:1", fingerprint=FP_HEX) for w in ("p", "q")]
+    for policy in (RoutingPolicy("round-robin"), RoutingPolicy()):
+        router = Router(Pools([decode("a"), decode("b"), *prefill], {}), policy, FP)
+        picks = []
+        for _ in range(4):
+            picks.append((await router.pick("decode", [1, 2, 3])).worker.worker_id)
+            picks.append((await router.pick("prefill", [1, 2, 3])).worker.worker_id)
+        assert picks == ["a", "p", "b", "q", "a", "p", "b", "q"], policy
+
+
 async def test_only_workers_of_the_same_model_are_candidates():
     pools = Pools([decode("a", fingerprint="00" * 16), decode("b")], {})
     router = Router(pools, fingerprint=FP)

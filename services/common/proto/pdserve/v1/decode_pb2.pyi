@@ -50,7 +50,7 @@ class DecodeStatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeStatResponse(_message.Message):
-    __slots__ = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "prefix_cache_hits", "prefix_cache_queries", "kv_blocks_imported", "kv_bytes_imported", "kv_blocks_rejected")
+    __slots__ = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "prefix_cache_hits", "prefix_cache_queries", "kv_blocks_imported", "kv_bytes_imported", "kv_blocks_rejected", "kv_fetch_failures")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class DecodeStatResponse(_message.Message):
     KV_BLOCKS_IMPORTED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_IMPORTED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    KV_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_free_blocks: int
     num_running: int
@@ -69,4 +70,5 @@ class DecodeStatResponse(_message.Message):
     kv_blocks_imported: int
     kv_bytes_imported: int
     kv_blocks_rejected: int
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., kv_blocks_imported: _Optional[int] = ..., kv_bytes_imported: _Optional[int] = ..., kv_blocks_rejected: _Optional[int] = ...) -> None: ...
+    kv_fetch_failures: int
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., kv_blocks_imported: _Optional[int] = ..., kv_bytes_imported: _Optional[int] = ..., kv_blocks_rejected: _Optional[int] = ..., kv_fetch_failures: _Optional[int] = ...) -> None: ...
