@@ -33,6 +33,7 @@ import datetime
 import itertools
 import json
 import logging
+import os
 import random
 import re
 import signal
@@ -148,6 +149,7 @@ async def run(args: argparse.Namespace, model: Path, log_dir: Path) -> dict:
             r: metric(chaos.url, "pdserve:stream_migrations_total", reason=r) for r in REASONS
         }
         gateway_log = chaos.gateway.log_text()
+        load_average = os.getloadavg()
 
     seen, why = routes(gateway_log), move_reasons(gateway_log)
     base = {o.job.name: o.job.name.rsplit("-r", 1)[0] for o in outcomes}
@@ -181,6 +183,7 @@ async def run(args: argparse.Namespace, model: Path, log_dir: Path) -> dict:
             if any(f.kind == k for f in chaos.faults)
         },
         "elapsed_s": elapsed,
+        "load_average": load_average,
     }
 
 
@@ -198,7 +201,7 @@ def summary(r: dict) -> str:
 def results_section(r: dict, args: argparse.Namespace, model: Path, line: str) -> str:
     pace = f", engine steps slowed by {args.step_delay:g} s each" if args.step_delay else ""
     setup = (
-        f"{datetime.date.today().isoformat()}, this machine (2 cores). A local cluster of "
+        f"{datetime.date.today().isoformat()}, this machine. A local cluster of "
         f"separate processes (2 prefill, 2 decode, 2 kvstore replicas, Redis, a gateway; model "
         f"`{model.name}`, float32, one torch thread per worker{pace}; "
         f"`--stream-idle-timeout {args.idle_timeout:g}`, `--registry-ttl "
@@ -206,7 +209,10 @@ def results_section(r: dict, args: argparse.Namespace, model: Path, line: str) -
         f"pause for {args.duration:g} s (greedy and seeded, streamed and not, {LENGTHS[0]} to "
         f"{LENGTHS[-1]} tokens; {r['requests'] / r['elapsed_s']:.2f} requests/s), a random "
         f"fault every {args.fault_interval:g} s, each followed by the restart a supervisor "
-        "would make. A failure is an error or an output other than the fault-free engine's."
+        "would make. A failure is an error or an output other than the fault-free engine's. "
+        "The machine is shared: its load average (1, 5, 15 minutes) at the end of the run was "
+        + ", ".join(f"{x:.1f}" for x in r["load_average"])
+        + f" on {os.cpu_count()} cores."
     )
     faults = "\n".join(
         f"| {k} | {r['faults'].get(k, 0)} | "
