@@ -79,20 +79,28 @@ class PagedAttention:
                 )
             )
         if nd < q.shape[0]:
-            parts.append(
-                kern.paged_prefill_attention(
-                    q[nd:],
-                    key_cache,
-                    value_cache,
-                    meta.prefill_block_tables,
-                    meta.prefill_seq_lens,
-                    meta.prefill_query_start_loc,
-                    scale,
-                    max_query_len=meta.prefill_max_query_len,
-                    max_seq_len=meta.prefill_max_seq_len,
-                )
-            )
+            parts.append(self.prefill(q[nd:], key_cache, value_cache, meta, scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def prefill(
+        self,
+        q: torch.Tensor,  # the step's prefill rows, their K/V already in the cache
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return self.kernels.paged_prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.prefill_block_tables,
+            meta.prefill_seq_lens,
+            meta.prefill_query_start_loc,
+            scale,
+            max_query_len=meta.prefill_max_query_len,
+            max_seq_len=meta.prefill_max_seq_len,
+        )
 
 
 def get_attention_backend(name: str, device: torch.device) -> PagedAttention:

@@ -51,18 +51,7 @@ def _prefill_attention(query: torch.Tensor, layer: int, scale: float) -> torch.T
     """The step's prefill rows (their K/V already written) against the paged cache."""
     ctx = get_forward_context()
     key_cache, value_cache = ctx.kv_caches[layer]
-    meta = ctx.meta
-    return ctx.attention.kernels.paged_prefill_attention(
-        query,
-        key_cache,
-        value_cache,
-        meta.prefill_block_tables,
-        meta.prefill_seq_lens,
-        meta.prefill_query_start_loc,
-        scale,
-        max_query_len=meta.prefill_max_query_len,
-        max_seq_len=meta.prefill_max_seq_len,
-    )
+    return ctx.attention.prefill(query, key_cache, value_cache, ctx.meta, scale)
 
 
 def _cpu_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
