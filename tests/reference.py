@@ -87,3 +87,28 @@ def compare(tokens: list[int], ref: Reference) -> int | None:
             return i
     assert len(tokens) == len(ref.tokens), f"length {len(tokens)} != reference {len(ref.tokens)}"
     return None
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[int]]:
+    """Prompts of random token ids in [3, vocab) (past the tiny tokenizer's specials)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def generate_like_references(llm, refs: list[Reference]) -> None:
+    """Run every reference's prompt through ``llm`` (greedy, its length, EOS ignored) and
+    check the outputs: at most one near-tie difference, then the engine's blocks all free
+    and its bookkeeping sound."""
+    from services.engine import SamplingParams
+
+    params = [
+        SamplingParams(max_tokens=len(r.tokens), temperature=0, ignore_eos=True) for r in refs
+    ]
+    outs = llm.generate([r.prompt for r in refs], params)
+    ties = [compare(o.token_ids, r) for o, r in zip(outs, refs, strict=True)]
+    assert ties.count(None) >= len(refs) - 1, f"too many near-tie differences: {ties}"
+    llm.check_integrity()
+    stats = llm.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, stats

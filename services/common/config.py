@@ -17,6 +17,7 @@ from services.common.redaction import redact_url
 from services.common.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 from services.common.settings import SettingsError, check, setting
 from services.common.sizes import parse_size
+from services.common.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_N = 128  # the most choices --max-n may allow
@@ -268,8 +269,18 @@ class EngineArgs:
     )
     num_threads: int | None = setting(None, "torch CPU threads (default: torch's choice)")
     seed: int = setting(0, "seed of unseeded random sampling")
+    speculative_config: str | None = setting(
+        None,
+        "speculative decoding, a JSON object as vLLM's, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(fields: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, model, "
+        "disable_by_batch_size, min_acceptance_rate; docs/speculative.md); decode workers "
+        "speculate, prefill workers ignore it; unset: no speculation",
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
+        SpeculativeConfig.parse(self.speculative_config)  # refuses a bad field by its name
         check(
             self.dtype in ("auto", *DTYPES),
             f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}",

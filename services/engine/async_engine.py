@@ -289,7 +289,9 @@ class AsyncEngine:
             error=seq.error if reason == "error" else None,
             times=seq.times if reason is not None else None,
             num_preemptions=seq.num_preemptions,
+            spec=seq.spec_pending,
         )
+        seq.spec_pending = None
         _post(loop, out.put_nowait, delta)
 
     def _run(self) -> None:

@@ -13,6 +13,7 @@ from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock
 from services.common.model import ModelConfig, check_prompt
 from services.common.sampling import SamplingParams, TokenLogprobs
 from services.common.sizes import parse_size
+from services.common.speculative import SpecDecodeStats, SpeculativeConfig
 from services.engine.block_pool import BlockPool
 from services.engine.config import resolve_device, resolve_dtype
 from services.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -20,6 +21,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineInfo, EngineStats, StepOutput
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.sequence import PREFILLED, Sequence
+from services.engine.spec_decode import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +57,21 @@ class LLMEngine:
             model_fingerprint=cfg.fingerprint,
             enable_prefix_caching=args.enable_prefix_caching,
         )
+        spec_config = SpeculativeConfig.parse(args.speculative_config)
+        self.spec = None
+        if spec_config is not None:
+            proposer = None
+            if spec_config.method == "draft_model":
+                from services.engine.draft_model import DraftModelProposer
+
+                proposer = DraftModelProposer(
+                    spec_config, args, cfg, self.dtype, self.device, self.max_model_len, num_blocks
+                )
+            self.spec = SpecDecoder(spec_config, self.max_model_len, proposer)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len),
             self.kv_cache,
+            self.spec,
         )
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # prefilled, blocks kept for export
@@ -67,7 +81,7 @@ class LLMEngine:
         self.num_rejected_blocks = 0  # fetched but damaged: recomputed instead
         logger.info(
             "engine ready: model=%s dtype=%s device=%s blocks=%d x %d tokens (%.1f MiB) "
-            "max_model_len=%d attention=%s step=%s",
+            "max_model_len=%d attention=%s step=%s speculative=%s",
             cfg.path,
             self.dtype,
             self.device,
@@ -77,6 +91,7 @@ class LLMEngine:
             self.max_model_len,
             self.runner.attn.name,
             self.runner.mode,
+            spec_config.to_json() if spec_config else "off",
         )
 
     def add_request(
@@ -134,8 +149,8 @@ class LLMEngine:
         output = self.runner.execute(batch)
         end = time.time()
         finished = self.scheduler.update(batch, output)
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, output.token_ids, strict=True):
-            seq.times.step(start, end, n, token is not None)
+        for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, output.token_ids, strict=True):
+            seq.times.step(start, end, n, bool(tokens))
         for seq in finished:
             seq.times.finished = end
             self._seqs.pop(seq.request_id, None)
@@ -144,11 +159,12 @@ class LLMEngine:
         advanced = [
             s
             for s, t in zip(batch.seqs, output.token_ids, strict=True)
-            if t is not None or s.finish_reason == "error"
+            if t or s.finish_reason == "error"
         ]
         return StepOutput(advanced, finished)
 
     def stats(self) -> EngineStats:
+        spec = self.spec.stats if self.spec is not None else SpecDecodeStats()
         return EngineStats(
             num_total_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,
@@ -161,6 +177,10 @@ class LLMEngine:
             num_imported_blocks=self.num_imported_blocks,
             num_imported_bytes=self.num_imported_bytes,
             num_rejected_blocks=self.num_rejected_blocks,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
 
     def info(self) -> EngineInfo:

@@ -84,6 +84,14 @@ class KVCacheManager:
             seq.block_table.extend(self.pool.allocate(num_new_blocks))
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past those ``seq``'s tokens need (their slots held rejected
+        drafts' KV only), last first."""
+        keep = cdiv(seq.num_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.free(reversed(seq.block_table[keep:]))
+            del seq.block_table[keep:]
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Index the blocks that ``seq`` has filled with computed tokens."""
         if not self.enable_prefix_caching:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from services.common.config import EngineArgs
@@ -31,13 +32,19 @@ class RequestOutput:
 
 
 class LLM:
-    """``LLM(model=PATH, **engine_args).generate(prompts, SamplingParams(...))``."""
+    """``LLM(model=PATH, **engine_args).generate(prompts, SamplingParams(...))``.
+
+    ``engine_args`` are ``EngineArgs``' fields; ``speculative_config`` may be a dict, as
+    vLLM's (``{"method": "ngram", "num_speculative_tokens": 4}``)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         unknown = set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)}
         if unknown:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
         path = resolve_model(model)
+        spec = engine_args.get("speculative_config")
+        if isinstance(spec, dict):  # as vLLM's LLM(speculative_config={...})
+            engine_args["speculative_config"] = json.dumps(spec)
         self.args = EngineArgs(model=str(path), **engine_args)
         self.engine = LLMEngine(self.args, str(path))
         self.tokenizer = Tokenizer.from_dir(path)

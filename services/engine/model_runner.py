@@ -35,6 +35,7 @@ from services.engine.model.loader import load_model
 from services.engine.outputs import ModelRunnerOutput
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledBatch
+from services.engine.spec_decode import default_rule
 from services.engine.step_inputs import PreparedStep, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class ModelRunner:
             for i in range(model_config.num_layers)
         ]
         self.sampler = Sampler(args.seed)
+        # Speculative decoding's acceptance rule (``spec_decode``); the engine sets it.
+        self.acceptance_rule = default_rule
         use_graphs = device.type == "cuda" and not args.enforce_eager
         self.buckets = decode_buckets(args.max_num_seqs) if use_graphs else []
         self.inputs = StepInputs(
@@ -183,15 +186,33 @@ class ModelRunner:
         with self._step_context(step.meta):
             hidden = self._run(step, bucket)
             logits = self.model.compute_logits(hidden[step.logit_rows])
-        seqs = [batch.seqs[i] for i in step.sample_order]
-        tokens, logprobs, errors = self.sampler(logits, seqs)
+        order = step.sample_order
+        seqs = [batch.seqs[i] for i in order]
+        # A speculating sequence's rows draw its next tokens in turn (a seeded draw is
+        # seeded by the token's index).
+        offsets = [0] * len(order)
+        for k in range(1, len(order)):
+            if order[k] == order[k - 1]:
+                offsets[k] = offsets[k - 1] + 1
+        tokens, logprobs, errors = self.sampler(logits, seqs, offsets)
         n = len(batch.seqs)
-        output = ModelRunnerOutput([None] * n, [None] * n, [None] * n if any(errors) else None)
-        for k, i in enumerate(step.sample_order):
-            output.token_ids[i] = tokens[k]
-            output.logprobs[i] = logprobs[k]
-            if output.errors is not None:
-                output.errors[i] = errors[k]
+        output = ModelRunnerOutput([[] for _ in range(n)], [[] for _ in range(n)])
+        if any(errors):
+            output = ModelRunnerOutput(output.token_ids, output.logprobs, [None] * n)
+        for k, i in enumerate(order):
+            if errors[k] is not None:
+                output.errors[i] = output.errors[i] or errors[k]
+            elif output.errors is None or output.errors[i] is None:
+                output.token_ids[i].append(tokens[k])
+                output.logprobs[i].append(logprobs[k])
+        for i, seq in enumerate(batch.seqs):
+            if seq.spec_token_ids and (output.errors is None or output.errors[i] is None):
+                rows = [k for k, j in enumerate(order) if j == i]
+                kept = self.acceptance_rule(
+                    seq.spec_token_ids, output.token_ids[i], logits[rows], seq
+                )
+                output.token_ids[i] = kept
+                output.logprobs[i] = output.logprobs[i][: len(kept)]
         return output
 
     def _decode_bucket(self, batch: ScheduledBatch) -> int:

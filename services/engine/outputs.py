@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from services.common.kv_blocks import BlockLayout, ExportedBlock
 from services.common.sampling import TokenLogprobs
+from services.common.speculative import SpecDecodeStats
 from services.engine.sequence import RequestTimes, Sequence
 
 
@@ -34,14 +35,16 @@ class RequestError:
 class ModelRunnerOutput:
     """One step's samples, index-aligned with the scheduled batch's sequences.
 
-    ``token_ids[i]`` is the token sampled for ``batch.seqs[i]``, None when its step was a
-    prompt chunk that did not reach the prompt's end; ``logprobs[i]`` its logprobs when the
-    request asked for them; ``errors[i]`` why its row could not be sampled (its request
-    ends with "error"; None for every row when all went well).
+    ``token_ids[i]`` are the tokens ``batch.seqs[i]`` emits: none when its step was a prompt
+    chunk that did not reach the prompt's end, one for a decode (or a prompt's last chunk),
+    and for a request that speculated, its accepted drafts and the target's next token
+    (1 to k+1). ``logprobs[i]`` the logprobs of each, when the request asked for them
+    (else None each); ``errors[i]`` why its rows could not be sampled (its request ends
+    with "error"; None for every row when all went well).
     """
 
-    token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None]
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs | None]]
     errors: list[RequestError | None] | None = None
 
 
@@ -67,6 +70,7 @@ class RequestDelta:
     # With the finish reason: when the request passed each point in the engine.
     times: RequestTimes | None = None
     num_preemptions: int = 0
+    spec: SpecDecodeStats | None = None  # the verifications behind these tokens
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,11 @@ class EngineStats:
     num_imported_blocks: int = 0
     num_imported_bytes: int = 0
     num_rejected_blocks: int = 0  # fetched with a wrong header, length or checksum
+    # Speculative decoding (vLLM's spec_decode_* counters); zero without it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

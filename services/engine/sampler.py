@@ -63,27 +63,33 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
-        """logits: [M, vocab], row i for seqs[i].
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None
+    ) -> Samples:
+        """logits: [M, vocab], row i for seqs[i]; ``offsets[i]``: how many tokens after the
+        sequence's next one row i draws (a speculating sequence scores several positions;
+        a seeded draw is seeded by the token's index). Penalties see the sequence as it is,
+        so rows with an offset must have none.
 
         Logprobs are those of the raw logits, before penalties and temperature, as vLLM's.
         A row that cannot be sampled gets token None and its error, and costs no other row
         anything: an exception in the batched draw is retried row by row.
         """
+        offsets = offsets or [0] * len(seqs)
         try:
-            return self._sample(logits, seqs)
+            return self._sample(logits, seqs, offsets)
         except Exception as error:  # noqa: BLE001 (it becomes the rows' errors)
             if len(seqs) == 1:
                 logger.exception("sampling request %s failed", seqs[0].request_id)
                 return Samples([None], [None], [RequestError(f"sampling failed: {error!r}")])
         samples = Samples([], [], [])
         for i, seq in enumerate(seqs):
-            row = self(logits[i : i + 1], [seq])
+            row = self(logits[i : i + 1], [seq], offsets[i : i + 1])
             for mine, theirs in zip(samples, row, strict=True):
                 mine.extend(theirs)
         return samples
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Samples:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> Samples:
         if self.fault is not None:
             for s in seqs:
                 self.fault(s)
@@ -96,7 +102,7 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled, device=raw.device)
             probs = filtered_probs(penalized[rows], [seqs[i] for i in sampled])
-            noise = self._noise(probs, [seqs[i] for i in sampled])
+            noise = self._noise(probs, [seqs[i] for i in sampled], [offsets[i] for i in sampled])
             picks = (probs / noise).argmax(dim=-1)
             tokens = tokens.index_copy(0, rows, picks)
             # NaN or all-zero probabilities: the pick's probability is not > 0.
@@ -120,7 +126,7 @@ class Sampler:
                 logprobs[i] = lp
         return Samples(token_list, logprobs, errors)
 
-    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _noise(self, probs: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> torch.Tensor:
         """[R, vocab] Exp(1) noise: seeded rows from (seed, step), the rest from the sampler."""
         seeded = [k for k, s in enumerate(seqs) if s.params.seed is not None]
         if probs.device.type == "cpu":
@@ -131,7 +137,7 @@ class Sampler:
             noise = torch.empty_like(probs).exponential_(generator=self._device_generator(probs))
         for k in seeded:
             s = seqs[k]
-            gen = _step_generator(s.params.seed, s.num_output_tokens)
+            gen = _step_generator(s.params.seed, s.num_output_tokens + offsets[k])
             row = torch.empty(probs.shape[1]).exponential_(generator=gen)
             noise[k] = row.to(probs.device)
         # A draw of exactly 0 would turn a filtered-out token's 0 / 0 into NaN, which argmax

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.outputs import ModelRunnerOutput
 from services.engine.sequence import PREFILLED, Sequence, SequenceStatus
+from services.engine.spec_decode import SpecDecoder
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,19 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Running sequences first (in admission order), then waiting ones, under the budget."""
+    """Running sequences first (in admission order), then waiting ones, under the budget.
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    With ``spec``, a running sequence past its prompt advances by its last token and the
+    drafts proposed for it (when there are blocks and budget for them; else by its last
+    token alone), and ``update`` keeps what verification accepted.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, spec: SpecDecoder | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.spec = spec
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,10 +68,20 @@ class Scheduler:
         """Pick this step's work; preempt the most recently admitted sequence when blocks run out."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        proposals = self._proposals()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 1 and seq.request_id in proposals:
+                drafts = proposals[seq.request_id][: budget - 1]
+                if drafts and self.kv_cache.allocate_slots(seq, 1 + len(drafts)):
+                    seq.spec_token_ids = drafts
+                    batch.seqs.append(seq)
+                    batch.num_new_tokens.append(1 + len(drafts))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not self.kv_cache.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -79,6 +98,18 @@ class Scheduler:
         if not batch.preempted:
             self._admit_waiting(batch, budget)
         return batch
+
+    def _proposals(self) -> dict[str, list[int]]:
+        """This step's drafts, for the running sequences past their prompts (none when
+        speculation is off, or off at this batch size)."""
+        if self.spec is None or not self.spec.begin_step(len(self.running)):
+            return {}
+        ready = [
+            s
+            for s in self.running
+            if s.num_tokens - s.num_computed_tokens == 1 and self.spec.eligible(s)
+        ]
+        return self.spec.propose_all(ready) if ready else {}
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -106,6 +137,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -113,23 +145,41 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, batch: ScheduledBatch, output: ModelRunnerOutput) -> list[Sequence]:
-        """Advance the batch by its computed tokens, append sampled ones; return the finished."""
+        """Advance the batch by its computed tokens, append sampled ones; return the finished.
+
+        A sequence that speculated keeps the KV of its last token and of its accepted drafts
+        only: the slots of rejected drafts are overwritten later, and blocks that held
+        nothing else go back to the pool, before any full block is cached."""
         finished = []
         errors = output.errors or [None] * len(batch.seqs)
-        for seq, n, token, logprobs, error in zip(
+        for seq, n, tokens, logprobs, error in zip(
             batch.seqs, batch.num_new_tokens, output.token_ids, output.logprobs, errors, strict=True
         ):
+            num_drafts = len(seq.spec_token_ids)
+            if num_drafts:
+                seq.spec_token_ids = []
+                num_accepted = len(tokens) - 1 if error is None else 0
+                self.spec.record(seq, num_drafts, num_accepted)
+                n -= num_drafts - num_accepted
             seq.num_computed_tokens += n
-            self.kv_cache.cache_full_blocks(seq)
             if error is not None:  # this request only: the others go on
+                if not num_drafts:
+                    self.kv_cache.cache_full_blocks(seq)
                 seq.error = error
                 self._finish(seq, "error")
                 finished.append(seq)
                 continue
-            if token is None:
-                continue
-            seq.append_token(token, logprobs)
-            reason = seq.check_stop(self.config.max_model_len)
+            reason = None
+            for token, lp in zip(tokens, logprobs, strict=True):
+                seq.append_token(token, lp)
+                reason = seq.check_stop(self.config.max_model_len)
+                if reason is not None:
+                    break
+            if num_drafts:
+                # Stopped at an accepted draft: the KV past the stop is not the request's.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                self.kv_cache.trim(seq)
+            self.kv_cache.cache_full_blocks(seq)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -140,6 +190,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if self.spec is not None:
+            self.spec.forget(seq.request_id)
         if reason != PREFILLED:  # a prefilled request's blocks wait for their export
             self.kv_cache.free(seq)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.common.block_hash import BlockHash
 from services.common.sampling import SamplingParams, TokenLogprobs
+from services.common.speculative import SpecDecodeStats
 
 # The finish reason of a prefill worker's request: its first token is sampled and its
 # prompt's blocks are held for export; a decode worker generates the rest.
@@ -82,6 +83,11 @@ class Sequence:
     num_imported_tokens: int = 0
     error: object | None = None  # a RequestError when finish_reason is "error"
     times: RequestTimes = field(default_factory=RequestTimes)
+    # Tokens proposed for this step after its last one (speculative decoding): scored with
+    # it, not yet part of ``token_ids``; the scheduler clears them once they are verified.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Verifications since its last stream message, for the gateway's counters.
+    spec_pending: SpecDecodeStats | None = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

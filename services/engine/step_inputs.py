@@ -1,6 +1,7 @@
 """A step's flat model inputs, written into buffers allocated once (no per-step tensors).
 
-Rows are the step's tokens: decode sequences first (one token each), then prefill chunks.
+Rows are the step's tokens: decode sequences first (one token each), then prefill chunks
+and sequences that speculated (their last token and its drafts, all of them sampled).
 ``StepInputs.prepare`` fills the host buffers with numpy slices, then (on CUDA) copies the
 used prefix to persistent device buffers in one transfer each; CUDA graphs and compiled
 models read those same device tensors every step. Padding rows (a decode batch rounded up
@@ -28,7 +29,9 @@ class PreparedStep:
     num_real_decode: int
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # [num_sampled] row of each sampled sequence's last token
-    sample_order: list[int]  # batch index of each sampled row, in logit_rows order
+    # Batch index of each sampled row, in logit_rows order; a sequence with drafts has one
+    # row per scored position, in order.
+    sample_order: list[int]
 
 
 class StepInputs:
@@ -53,7 +56,7 @@ class StepInputs:
             "block_tables": host(max_seqs, max_blocks, dtype=torch.int32),
             "seq_lens": host(max_seqs, dtype=torch.int32),
             "query_start_loc": host(max_seqs + 1, dtype=torch.int32),
-            "logit_rows": host(max_seqs, dtype=torch.int64),
+            "logit_rows": host(max_tokens, dtype=torch.int64),
         }
         self._np = {k: v.numpy() for k, v in self._host.items()}
         if self.device.type == "cpu":
@@ -110,7 +113,11 @@ class StepInputs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = np.asarray(seq.block_table, dtype=np.int64)
             p = np.arange(start, end)
-            ids[row : row + n] = seq.token_ids[start:end]
+            if seq.spec_token_ids:  # the last token and its drafts: every row is sampled
+                ids[row : row + n] = [seq.token_ids[start], *seq.spec_token_ids]
+                sampled.extend((row + j, i) for j in range(n))
+            else:
+                ids[row : row + n] = seq.token_ids[start:end]
             pos[row : row + n] = p
             slots[row : row + n] = table[p // bs] * bs + p % bs
             tables[num_decode + k, : len(table)] = table
@@ -118,7 +125,7 @@ class StepInputs:
             qsl[k + 1] = qsl[k] + n
             max_q, max_len = max(max_q, n), max(max_len, end)
             row += n
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and not seq.spec_token_ids:
                 sampled.append((row - 1, i))
         rows = npy["logit_rows"]
         rows[: len(sampled)] = [r for r, _ in sampled]

@@ -138,3 +138,37 @@ def test_preemption(smollm2_path, refs, enforce_eager):
     )
     _check(llm, refs, "preempt")
     assert llm.stats().num_preemptions > 0
+
+
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(kv_cache_memory="512MiB"),
+        # 140 blocks: preempted (see test_preemption), and prompts in chunks of 64.
+        dict(num_kv_blocks=140, max_num_batched_tokens=64),
+    ],
+    ids=["batched-prefix-cached", "preempted-chunked64"],
+)
+def test_speculation_matches_transformers(smollm2_path, refs, engine_args):
+    """n-gram speculation on the compiled step: the same tokens, and the drafts of the
+    prompts that repeat themselves (the shipping log, the story) accepted."""
+    llm = LLM(
+        model=str(smollm2_path),
+        dtype="float32",
+        max_model_len=2048,
+        speculative_config=SPECULATIVE,
+        **engine_args,
+    )
+    _check(llm, refs, "speculative")
+    stats = llm.stats()
+    assert stats.spec_num_drafts > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    if "num_kv_blocks" in engine_args:
+        assert stats.num_preemptions > 0
+    else:
+        mixed = [refs[k % len(refs)].suffix((k * 5) % 48) for k in range(32)]
+        _check(llm, mixed, "speculative batch32")
+        assert llm.stats().prefix_cache_hits > stats.prefix_cache_hits

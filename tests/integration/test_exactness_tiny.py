@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from services.engine import LLM, SamplingParams
+from services.engine import LLM
 from services.engine.model import ops
-from tests.reference import compare, hf_greedy
+from tests.reference import generate_like_references, hf_greedy, random_prompts
 
 MAX_NEW = 64
 LENGTHS = [1, 2, 5, 15, 16, 17, 33, 64, 100, 150, 200, 255]
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in LENGTHS]
+    return random_prompts(seed, LENGTHS)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -27,15 +24,7 @@ def case(request, tiny_llama_path, tiny_qwen2_path):
 
 
 def _run(llm: LLM, refs) -> None:
-    params = [
-        SamplingParams(max_tokens=len(r.tokens), temperature=0, ignore_eos=True) for r in refs
-    ]
-    outs = llm.generate([r.prompt for r in refs], params)
-    ties = [compare(o.token_ids, r) for o, r in zip(outs, refs, strict=True)]
-    assert ties.count(None) >= len(refs) - 1, f"too many near-tie differences: {ties}"
-    llm.check_integrity()
-    stats = llm.stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    generate_like_references(llm, refs)
 
 
 # The compiled step (the default on the CPU) and the plain PyTorch model.

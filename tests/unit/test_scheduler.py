@@ -7,11 +7,13 @@ import random
 import pytest
 
 from services.common.sampling import SamplingParams
+from services.common.speculative import SpeculativeConfig
 from services.engine.block_pool import BlockPool
-from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_cache_manager import KVCacheManager, cdiv
 from services.engine.outputs import ModelRunnerOutput
 from services.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.spec_decode import SpecDecoder, accept_drafts
 
 BS = 4
 EOS = 2
@@ -45,26 +47,35 @@ class FakeRunner:
         self.scripts = scripts or {}
         self.kv: dict[int, list[int | None]] = {}
 
-    def token(self, seq: Sequence) -> int:
-        k = seq.num_output_tokens
+    def token(self, seq: Sequence, offset: int = 0) -> int:
+        k = seq.num_output_tokens + offset
         script = self.scripts.get(seq.request_id, [])
         return script[k] if k < len(script) else 1000 + k
 
     def __call__(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Writes each scheduled token into its slot (drafts too), after checking that every
+        slot before holds the sequence's own token: a rejected draft left in the cache and
+        read as context fails here."""
         pool = self.sched.kv_cache.pool
-        sampled: list[int | None] = []
+        sampled: list[list[int]] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            assert 0 < n <= seq.num_tokens - start
+            tokens = seq.token_ids + seq.spec_token_ids
+            assert 0 < n <= len(tokens) - start
+            assert not seq.spec_token_ids or start + n == len(tokens)
             for pos in range(start):
                 block = seq.block_table[pos // BS]
                 assert self.kv[block][pos % BS] == seq.token_ids[pos], (seq.request_id, pos)
             for pos in range(start, start + n):
                 block = seq.block_table[pos // BS]
                 assert pool.ref_counts[block] == 1, f"write into shared block {block}"
-                self.kv.setdefault(block, [None] * BS)[pos % BS] = seq.token_ids[pos]
-            sampled.append(self.token(seq) if start + n == seq.num_tokens else None)
-        return ModelRunnerOutput(sampled, [None] * len(sampled))
+                self.kv.setdefault(block, [None] * BS)[pos % BS] = tokens[pos]
+            if seq.spec_token_ids:
+                draws = [self.token(seq, j) for j in range(len(seq.spec_token_ids) + 1)]
+                sampled.append(accept_drafts(seq.spec_token_ids, draws))
+            else:
+                sampled.append([self.token(seq)] if start + n == seq.num_tokens else [])
+        return ModelRunnerOutput(sampled, [[None] * len(t) for t in sampled])
 
 
 def step(
@@ -355,10 +366,9 @@ def test_abort_of_an_unknown_request_is_none():
 # -- a random workload ---------------------------------------------------------------------
 
 
-def test_random_workload_finishes_with_every_block_free():
-    rng = random.Random(7)
-    sched = make_scheduler(10, budget=16, max_num_seqs=6, max_model_len=40)
-    runner = FakeRunner(sched)
+def random_seqs(rng: random.Random) -> list[Sequence]:
+    """14 requests sharing three prefixes, of random lengths (prompt up to 22, output up
+    to 20 tokens)."""
     prefixes = [list(range(100 * i, 100 * i + 12)) for i in range(3)]
     seqs = []
     for i in range(14):
@@ -366,6 +376,14 @@ def test_random_workload_finishes_with_every_block_free():
             0, 10
         )
         seqs.append(make_seq(f"r{i}", prompt, max_tokens=rng.randint(1, 20), ignore_eos=True))
+    return seqs
+
+
+def test_random_workload_finishes_with_every_block_free():
+    rng = random.Random(7)
+    sched = make_scheduler(10, budget=16, max_num_seqs=6, max_model_len=40)
+    runner = FakeRunner(sched)
+    seqs = random_seqs(rng)
     pending = list(seqs)
     for _ in range(400):
         if pending and rng.random() < 0.5:
@@ -377,6 +395,105 @@ def test_random_workload_finishes_with_every_block_free():
     for s in seqs:
         n = min(s.params.max_tokens, 40 - s.num_prompt_tokens)
         assert s.output_token_ids == [1000 + k for k in range(n)], s.request_id
+    assert sched.num_preemptions > 0
+    assert sched.kv_cache.prefix_cache_hits > 0
+    assert_all_free(sched)
+
+
+# -- speculative decoding ------------------------------------------------------------------
+
+
+class ScriptProposer:
+    """Proposes the runner's script (what the fake model will draw), wrong at every
+    ``wrong_every``-th proposal; ``k`` tokens or fewer."""
+
+    def __init__(self, runner: FakeRunner, seqs: dict[str, Sequence], wrong_every: int = 3):
+        self.runner, self.seqs, self.wrong_every, self.calls = runner, seqs, wrong_every, 0
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        seq = next(s for s in self.seqs.values() if s.token_ids == token_ids)
+        self.calls += 1
+        drafts = [self.runner.token(seq, j) for j in range(k)]
+        if self.calls % self.wrong_every == 0:
+            drafts[self.calls % k] = 7  # never a scripted token
+        return drafts
+
+
+def make_speculating(num_blocks: int, seqs: list[Sequence], **kw) -> tuple[Scheduler, FakeRunner]:
+    sched = make_scheduler(num_blocks, **kw)
+    sched.spec = SpecDecoder(
+        SpeculativeConfig(num_speculative_tokens=3, min_acceptance_rate=0),
+        sched.config.max_model_len,
+    )
+    runner = FakeRunner(sched)
+    sched.spec.proposer = ScriptProposer(runner, {s.request_id: s for s in seqs})
+    return sched, runner
+
+
+def test_a_speculating_sequence_advances_by_what_was_accepted():
+    s = make_seq("s", range(10, 15), max_tokens=12, ignore_eos=True)
+    sched, runner = make_speculating(16, [s])
+    sched.spec.proposer.wrong_every = 2
+    sched.add(s)
+    assert step(sched, runner) == ([("s", 5)], [], [])  # the prompt: no drafts
+    assert step(sched, runner) == ([("s", 4)], [], [])  # last token + 3 drafts, all right
+    assert s.output_token_ids == [1000, 1001, 1002, 1003, 1004]
+    assert s.num_computed_tokens == s.num_tokens - 1
+    # The third draft wrong: two kept, then the target's own token.
+    assert step(sched, runner) == ([("s", 4)], [], [])
+    assert s.output_token_ids[5:] == [1005, 1006, 1007]
+    assert s.num_computed_tokens == s.num_tokens - 1
+    assert len(s.block_table) == cdiv(s.num_tokens, BS)
+    run_to_end(sched, runner)
+    assert s.output_token_ids == [1000 + k for k in range(12)]  # max_tokens exactly
+    assert sched.spec.stats.num_drafts >= 3
+    assert_all_free(sched)
+
+
+def test_drafts_stop_at_a_stop_token_and_never_pass_max_tokens():
+    s = make_seq("s", range(10, 14), max_tokens=30)
+    sched, runner = make_speculating(16, [s])
+    runner.scripts["s"] = [5, 6, 7, EOS, 9, 9, 9]
+    sched.spec.proposer.wrong_every = 1000
+    sched.add(s)
+    run_to_end(sched, runner)
+    assert s.output_token_ids == [5, 6, 7, EOS] and s.finish_reason == "stop"
+    assert_all_free(sched)
+
+
+def test_without_room_for_the_drafts_a_sequence_decodes_alone():
+    """Two blocks of 4 tokens: the drafts do not fit, so no draft is scheduled and nothing
+    is preempted for them."""
+    s = make_seq("s", range(10, 16), max_tokens=2, ignore_eos=True)
+    sched, runner = make_speculating(2, [s])
+    sched.add(s)
+    step(sched, runner)
+    assert step(sched, runner) == ([("s", 1)], [], ["s"])
+    assert sched.num_preemptions == 0
+    assert_all_free(sched)
+
+
+def test_random_workload_with_speculation_finishes_exactly_with_every_block_free():
+    rng = random.Random(17)
+    seqs = random_seqs(rng)
+    sched, runner = make_speculating(10, seqs, budget=16, max_num_seqs=6, max_model_len=40)
+    pending = list(seqs)
+    for _ in range(400):
+        if pending and rng.random() < 0.5:
+            sched.add(pending.pop(0))
+        if not pending and not sched.has_unfinished():
+            break
+        step(sched, runner)
+        for s in sched.running:
+            assert s.spec_token_ids == []
+            if s.num_computed_tokens:
+                assert len(s.block_table) <= cdiv(s.num_tokens, BS)
+    assert not pending and not sched.has_unfinished()
+    for s in seqs:
+        n = min(s.params.max_tokens, 40 - s.num_prompt_tokens)
+        assert s.output_token_ids == [1000 + k for k in range(n)], s.request_id
+    stats = sched.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert sched.num_preemptions > 0
     assert sched.kv_cache.prefix_cache_hits > 0
     assert_all_free(sched)
