@@ -43,6 +43,9 @@ def pool_totals(workers: list[WorkerInfo]) -> dict[str, int]:
         "bytes_used",
         "capacity_bytes",
         "requests_total",
+        "spec_num_drafts",
+        "spec_num_draft_tokens",
+        "spec_num_accepted_tokens",
     )
     return {"workers": len(workers), **{n: sum(getattr(w, n) for w in workers) for n in names}}
 
@@ -85,6 +88,7 @@ def _row(role: str, w: WorkerInfo | dict, now: float) -> list[str]:
         return [ident, address, f"{_size(used)} / {_size(cap)} ({_pct(used, cap)})", age]
     used, total = get("active_blocks"), get("num_total_blocks")
     hits, queries = get("prefix_cache_hits"), get("prefix_cache_queries")
+    accepted, drafted = get("spec_num_accepted_tokens"), get("spec_num_draft_tokens")
     return [
         ident,
         address,
@@ -93,6 +97,7 @@ def _row(role: str, w: WorkerInfo | dict, now: float) -> list[str]:
         str(get("num_waiting")),
         f"{used}/{total} ({_pct(used, total)})",
         f"{_pct(hits, queries)} ({hits}/{queries})",
+        f"{_pct(accepted, drafted)} ({accepted}/{drafted})" if drafted else "-",
         age,
     ]
 
@@ -106,6 +111,7 @@ _HEADERS = {
         "waiting",
         "KV blocks",
         "prefix hits (tokens)",
+        "spec accepted (tokens)",
         "age",
     ],
     "kvstore": ["id", "address", "bytes used / capacity", "age"],

@@ -237,3 +237,30 @@ class SnapshotCollector(Collector):
                 families[short] = family
             family.add_metric([*self._labels.values, *extra.values()], value)
         return list(families.values())
+
+
+def spec_rows(spec: Any) -> Iterable[tuple]:
+    """``SnapshotCollector`` rows of speculative decoding's counters (vLLM's
+    ``spec_decode_*``), from a ``SpecDecodeStats``."""
+    yield (
+        "spec_decode_num_drafts",
+        "counter",
+        "Verifications of a request with proposed tokens (speculative decoding).",
+        spec.num_drafts,
+    )
+    yield ("spec_decode_num_draft_tokens", "counter", "Tokens proposed.", spec.num_draft_tokens)
+    yield (
+        "spec_decode_num_accepted_tokens",
+        "counter",
+        "Proposed tokens accepted by verification.",
+        spec.num_accepted_tokens,
+    )
+    text = "Proposed tokens accepted, by their position among a request's proposals (0 first)."
+    for position, n in enumerate(spec.accepted_per_pos):
+        yield (
+            "spec_decode_num_accepted_tokens_per_pos",
+            "counter",
+            text,
+            {"position": str(position)},
+            n,
+        )

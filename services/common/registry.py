@@ -69,6 +69,9 @@ class WorkerInfo:
     requests_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_num_drafts: int = 0  # speculative decoding: verifications with proposals
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # bookkeeping
     seq: int = 0  # heartbeat count
     pid: int = 0

@@ -35,6 +35,7 @@ from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.common.registry import new_worker_id
 from services.common.registry_view import RegistryView
 from services.common.service import Serving, run_service
+from services.common.speculative import SpecDecodeStats
 from services.common.trust import Trust, load_trust
 from services.common.wire import (
     layout_from_proto,
@@ -296,6 +297,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     finish_reason=delta.finish_reason or "",
                     num_cached_tokens=delta.num_cached_tokens,
                     num_transferred_tokens=delta.num_imported_tokens,
+                    spec=spec_to_proto(delta.spec),
                 )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -321,6 +323,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             kv_blocks_rejected=s.num_rejected_blocks,
             kv_fetch_failures=self.num_fetch_failures,
         )
+
+
+def spec_to_proto(spec: SpecDecodeStats | None) -> decode_pb2.SpecDecodeCounts | None:
+    if spec is None:
+        return None
+    return decode_pb2.SpecDecodeCounts(
+        num_drafts=spec.num_drafts,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
+        accepted_per_pos=spec.accepted_per_pos,
+    )
 
 
 async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) -> Serving:

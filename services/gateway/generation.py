@@ -60,6 +60,8 @@ async def generate(
             if event.token_ids:
                 clock.tokens()
             usage.completion_tokens += len(event.token_ids)
+            if event.HasField("spec") and telemetry.metrics is not None:
+                telemetry.metrics.count_spec(event.spec)
             usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.num_cached_tokens)
             text, stopped = stop.feed(detokenizer.add(list(event.token_ids)))
             if event.finish_reason and not stopped:

@@ -14,7 +14,9 @@ from services.common.metrics import (
     SnapshotCollector,
     name,
     new_registry,
+    spec_rows,
 )
+from services.common.speculative import SpecDecodeStats
 from services.gateway.admission import Admission
 from services.gateway.orchestrator import Orchestrator
 
@@ -51,7 +53,19 @@ class GatewayMetrics:
             buckets=(1, 2, 5, 10, 20),
             registry=self.registry,
         ).labels(*labels.values)
+        self.spec = SpecDecodeStats()
         self.registry.register(SnapshotCollector(labels, self._rows))
+
+    def count_spec(self, counts) -> None:
+        """Add a decode message's speculation (a ``SpecDecodeCounts``)."""
+        self.spec.add(
+            SpecDecodeStats(
+                counts.num_drafts,
+                counts.num_draft_tokens,
+                counts.num_accepted_tokens,
+                list(counts.accepted_per_pos),
+            )
+        )
 
     def _rows(self) -> Iterable[tuple]:
         a, c, router = self.admission, self.orchestrator.counters, self.orchestrator.router
@@ -91,6 +105,7 @@ class GatewayMetrics:
         text = "Requests the router sent to each worker."
         for (role, worker_id), n in sorted(router.routed.items()):
             yield ("routed_requests", "counter", text, {"pool": role, "worker": worker_id}, n)
+        yield from spec_rows(self.spec)
         text = "Live workers the gateway routes to, by pool."
         for role in ("prefill", "decode", "kvstore"):
             yield ("pool_workers", "gauge", text, {"pool": role}, len(router.pools.workers(role)))

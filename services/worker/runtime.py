@@ -82,6 +82,9 @@ def engine_publisher(
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             "requests_total": engine.num_requests,
+            "spec_num_drafts": s.spec_num_drafts,
+            "spec_num_draft_tokens": s.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
         }
 
     async def blocks(full: bool) -> tuple[list[bytes], list[bytes]]:

@@ -23,7 +23,9 @@ from services.common.metrics import (
     SnapshotCollector,
     name,
     new_registry,
+    spec_rows,
 )
+from services.common.speculative import SpecDecodeStats
 from services.engine.async_engine import AsyncEngine
 from services.engine.outputs import RequestDelta
 from services.engine.sequence import RequestTimes
@@ -130,6 +132,14 @@ class WorkerMetrics:
                 "counter",
                 "Fetched KV blocks refused (wrong header, length or checksum) and recomputed.",
                 s.num_rejected_blocks,
+            ),
+            *spec_rows(
+                SpecDecodeStats(
+                    s.spec_num_drafts,
+                    s.spec_num_draft_tokens,
+                    s.spec_num_accepted_tokens,
+                    list(s.spec_accepted_per_pos),
+                )
             ),
         )
 

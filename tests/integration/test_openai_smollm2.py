@@ -1,14 +1,18 @@
-"""The OpenAI API over a disaggregated cluster serving the real SmolLM2-135M-Instruct (float32)."""
+"""The OpenAI API over a disaggregated cluster serving the real SmolLM2-135M-Instruct (float32),
+its decode worker speculating with n-gram lookup."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.engine import LLM, SamplingParams
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +22,16 @@ def cluster(smollm2_path, tmp_path_factory):
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "256MiB")
         pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
-        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE)
+        dec = c.start(
+            "decode",
+            "services.decode",
+            "--kvstore",
+            kv.address,
+            "--speculative-config",
+            SPECULATIVE,
+            *model,
+            *ENGINE,
+        )
         gw = c.start(
             "gateway",
             "services.gateway",
@@ -85,4 +98,49 @@ def test_streamed_multibyte_text_reassembles_exactly(client, cluster):
     assert "\ufffd" not in whole
     assert len(pieces) > 5
     assert "".join(pieces) == whole
+    assert cluster.unhandled_errors() == []
+
+
+def _spec_counters(address: str) -> dict[str, float]:
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("pdserve:spec_decode_num_")
+        and s.name.endswith("_total")
+        and "position" not in s.labels
+    }
+
+
+def test_a_speculating_decode_worker_streams_what_the_engine_alone_gives(
+    client, cluster, smollm2_path
+):
+    """The prompt is prefilled by the prefill worker; the decode worker speculates on the
+    imported request, and its stream is the text of an engine that does not speculate."""
+    text = (
+        "The committee approved the annual budget after a long discussion. The river "
+        "rebuilt the northern road as planned. Every student visited a quiet garden "
+        "before the winter began. My neighbour replaced a broken clock without any help."
+    )
+    messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]
+    plain = LLM(
+        model=str(smollm2_path), dtype="float32", max_model_len=2048, kv_cache_memory="256MiB"
+    )
+    want = plain.chat([messages], SamplingParams(max_tokens=80, temperature=0))[0]
+    before = _spec_counters(cluster.http_address)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=80, temperature=0, stream=True
+    )
+    got = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert got == want.text
+    after = _spec_counters(cluster.http_address)
+    drafted = after["pdserve:spec_decode_num_draft_tokens_total"] - before.get(
+        "pdserve:spec_decode_num_draft_tokens_total", 0
+    )
+    accepted = after["pdserve:spec_decode_num_accepted_tokens_total"] - before.get(
+        "pdserve:spec_decode_num_accepted_tokens_total", 0
+    )
+    assert 0 < accepted <= drafted
+    assert accepted > len(want.token_ids) / 4  # the text repeats: most of it was proposed
     assert cluster.unhandled_errors() == []

@@ -97,7 +97,8 @@ def _workers(now: float) -> list[WorkerInfo]:
     return [
         WorkerInfo("decode-a", "decode", "127.0.0.1:2", model="tiny", num_total_blocks=100,
                    num_free_blocks=75, num_running=2, num_waiting=1, prefix_cache_queries=40,
-                   prefix_cache_hits=10, updated_at=now - 0.5),
+                   prefix_cache_hits=10, spec_num_draft_tokens=80, spec_num_accepted_tokens=60,
+                   updated_at=now - 0.5),
         WorkerInfo("decode-b", "decode", "127.0.0.1:3", model="tiny", num_total_blocks=100,
                    num_free_blocks=100, updated_at=now - 0.25),
         WorkerInfo("kvstore-a", "kvstore", "127.0.0.1:4", capacity_bytes=2 << 30,
@@ -111,7 +112,8 @@ def test_status_tables_show_each_pool_with_totals():
     assert lines[0] == "prefill (0)" and "(none registered)" in lines[1]
     decode = lines[lines.index("decode (2)") + 1 : lines.index("kvstore (1)")]
     assert decode[1].split() == ["decode-a", "127.0.0.1:2", "tiny", "2", "1", "25/100", "(25%)",
-                                 "25%", "(10/40)", "0.5s"]  # fmt: skip
+                                 "25%", "(10/40)", "75%", "(60/80)", "0.5s"]  # fmt: skip
+    assert decode[2].split()[-2:] == ["-", "0.2s"]  # no speculation
     assert decode[3].split()[:7] == ["total", "(2)", "2", "1", "25/200", "(12%)", "25%"]
     assert "512.0 MiB / 2.0 GiB (25%)" in text
 
@@ -120,4 +122,5 @@ def test_status_json_counts_pools_and_ages():
     pools = status_json(_workers(1000.0), now=1000.0)["pools"]
     assert [len(pools[r]["workers"]) for r in ("prefill", "decode", "kvstore")] == [0, 2, 1]
     assert pools["decode"]["totals"]["active_blocks"] == 25
+    assert pools["decode"]["totals"]["spec_num_accepted_tokens"] == 60
     assert pools["kvstore"]["workers"][0]["heartbeat_age_s"] == 1.0
