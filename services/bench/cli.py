@@ -163,7 +163,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(WORKLOADS) + "}",
         help="random: random-token prompts; shared-prefix: groups sharing a long "
         "system prompt; multi-turn: conversations resending their history; "
-        "long-short: a few long prompts among short ones; jsonl (vLLM's custom): a file",
+        "long-short: a few long prompts among short ones; rewrite: repeat a given text or code "
+        "(answers predictable from the prompt: speculative decoding's case); jsonl (vLLM's "
+        "custom): a file",
     )
     g.add_argument(
         "--tokenizer",
@@ -185,6 +187,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         ("--long-input-len", d.long_input_len, "long-short: tokens of a long prompt"),
         ("--short-input-len", d.short_input_len, "long-short: tokens of a short prompt"),
         ("--output-len", d.output_len, "shared-prefix, multi-turn, long-short: output tokens"),
+        (
+            "--rewrite-input-len",
+            d.rewrite_input_len,
+            "rewrite: tokens of the text or code to repeat (the output asks for as many)",
+        ),
     )
     for flag, default, text in ints:
         g.add_argument(flag, type=_positive_int, default=default, help=f"{text} ({default})")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-short", "jsonl")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-short", "rewrite", "jsonl")
 _FIT_ATTEMPTS = 8
 
 
@@ -55,6 +55,7 @@ class WorkloadParams:
     long_input_len: int = 2048
     short_input_len: int = 64
     output_len: int = 128
+    rewrite_input_len: int = 256
     dataset_path: str | None = None
 
 
@@ -134,6 +135,7 @@ def build_workload(
         "shared-prefix": _shared_prefix,
         "multi-turn": _multi_turn,
         "long-short": _long_short,
+        "rewrite": _rewrite,
     }
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
@@ -192,6 +194,101 @@ def _long_short(p: WorkloadParams, tok: TextTokenizer, n: int, rng: random.Rando
     for long in is_long:
         text, count = random_text(tok, rng, p.long_input_len if long else p.short_input_len)
         sessions.append(_one(Turn(text, count, p.output_len, kind="long" if long else "short")))
+    return sessions
+
+
+# The rewrite workload's sources: plain sentences and small Python functions made from
+# these words, so that a language model reads them as text and code, and its answer, which
+# repeats them, is predictable from its prompt (speculative decoding's n-gram case).
+_SUBJECTS = (
+    "The committee",
+    "Our team",
+    "The new library",
+    "A small village",
+    "The engineer",
+    "Every student",
+    "The old bridge",
+    "This report",
+    "The river",
+    "My neighbour",
+)
+_VERBS = (
+    "described",
+    "approved",
+    "rebuilt",
+    "measured",
+    "questioned",
+    "welcomed",
+    "documented",
+    "replaced",
+    "visited",
+    "explained",
+)
+_OBJECTS = (
+    "the annual budget",
+    "a quiet garden",
+    "the first draft",
+    "every open window",
+    "the train schedule",
+    "a broken clock",
+    "the harvest festival",
+    "the test results",
+    "a long letter",
+    "the northern road",
+)
+_TAILS = (
+    "before the winter began.",
+    "with great care.",
+    "in less than a week.",
+    "after a long discussion.",
+    "for the second time.",
+    "without any help.",
+    "during the morning meeting.",
+    "to everyone's surprise.",
+    "as planned.",
+    "while the rain kept falling.",
+)
+_NAMES = ("total", "count", "price", "width", "score", "index", "limit", "offset")
+_TASKS = (
+    ("Rewrite the following text exactly as it is, word for word, with nothing added:", "text"),
+    ("Copy the following paragraph without changing anything:", "text"),
+    ("Repeat the following Python code exactly, with nothing added:", "code"),
+)
+
+
+def _sentence(rng: random.Random) -> str:
+    return " ".join(
+        (rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS), rng.choice(_TAILS))
+    )
+
+
+def _function(rng: random.Random) -> str:
+    a, b = rng.sample(_NAMES, 2)
+    name = f"{rng.choice(('compute', 'update', 'check', 'scale'))}_{a}"
+    op = rng.choice(("+", "-", "*"))
+    return (
+        f"def {name}({a}, {b}):\n"
+        f"    if {a} > {rng.randint(1, 99)}:\n"
+        f"        return {a} {op} {b}\n"
+        f"    return {b}\n"
+    )
+
+
+def _rewrite(p: WorkloadParams, tok: TextTokenizer, n: int, rng: random.Random) -> list[Session]:
+    """Requests whose answer repeats a given text or code of about --rewrite-input-len
+    tokens; each asks for as many tokens as the text has."""
+    sessions = []
+    for _ in range(n):
+        task, kind = rng.choice(_TASKS)
+        part = _function if kind == "code" else _sentence
+        glue = "\n" if kind == "code" else " "
+        pieces: list[str] = []
+        while not pieces or tok.count(glue.join(pieces)) < p.rewrite_input_len:
+            pieces.append(part(rng))
+        source = glue.join(pieces)
+        source_len = tok.count(source)
+        text = f"{task}\n\n{source}"
+        sessions.append(_one(Turn(text, tok.count(text), source_len, kind=kind)))
     return sessions
 
 
