@@ -28,9 +28,12 @@ from services.common.speculative import SpecDecodeStats, SpeculativeConfig
 from services.engine.sequence import Sequence
 
 # Proposals a request's acceptance rate is measured over, and the steps a request whose
-# rate fell below ``min_acceptance_rate`` waits before it proposes again.
+# rate fell below ``min_acceptance_rate`` waits before it proposes again: doubled at each
+# failure in a row (up to MAX_BACKOFF_STEPS), so that a request that never accepts costs
+# next to nothing.
 ACCEPTANCE_WINDOW = 8
 BACKOFF_STEPS = 16
+MAX_BACKOFF_STEPS = 1024
 
 
 def accept_drafts(drafts: list[int], draws: list[int]) -> list[int]:
@@ -88,6 +91,7 @@ class _RequestSpec:
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     resume_at: int = 0  # the step from which it may propose again
+    backoff: int = BACKOFF_STEPS  # steps of its next back-off
 
 
 class SpecDecoder:
@@ -158,9 +162,12 @@ class SpecDecoder:
         if len(state.proposed) == ACCEPTANCE_WINDOW:
             rate = sum(state.accepted) / sum(state.proposed)
             if rate < self.config.min_acceptance_rate:
-                state.resume_at = self._step + BACKOFF_STEPS + 1
+                state.resume_at = self._step + state.backoff + 1
+                state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
                 state.proposed.clear()
                 state.accepted.clear()
+            else:
+                state.backoff = BACKOFF_STEPS
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -172,6 +172,15 @@ def test_a_request_whose_proposals_fail_backs_off_then_tries_again():
         assert spec.propose(seq) == []
     spec.begin_step(1)
     assert spec.propose(seq)
+    # Failing again, it waits twice as long.
+    for _ in range(ACCEPTANCE_WINDOW - 1):
+        spec.record(seq, 4, 0)
+        spec.begin_step(1)
+    spec.record(seq, 4, 0)
+    waited = 0
+    while (spec.begin_step(1), spec.propose(seq))[1] == []:
+        waited += 1
+    assert waited == 2 * BACKOFF_STEPS
     # Accepted often enough, a request keeps proposing.
     good = _seq([1, 2, 3, 1, 2])
     good.request_id = "good"
@@ -179,4 +188,4 @@ def test_a_request_whose_proposals_fail_backs_off_then_tries_again():
         spec.begin_step(1)
         assert spec.propose(good)
         spec.record(good, 4, 1)
-    assert spec.stats.num_drafts == 4 * ACCEPTANCE_WINDOW
+    assert spec.stats.num_drafts == 5 * ACCEPTANCE_WINDOW
