@@ -41,6 +41,11 @@ from services.engine.step_inputs import PreparedStep, StepInputs
 logger = logging.getLogger(__name__)
 
 
+# The most positions rotary tables cover beyond --max-model-len (a 16k-position table of
+# head_dim 128 takes 16 MiB in float32).
+ROPE_POSITIONS = 16384
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -68,7 +73,11 @@ class ModelRunner:
         self.device = device
         self.block_size = args.block_size
         self.attn = get_attention_backend(args.attention_backend, device)
-        self.model = load_model(model_config, dtype, device, max_model_len)
+        # Rotary tables for the model's own length (up to ROPE_POSITIONS) whatever
+        # --max-model-len says: the compiled graph, and its cache entry, are then the same
+        # for every engine of a model and dtype.
+        rope = max(max_model_len, min(model_config.max_model_len(None), ROPE_POSITIONS))
+        self.model = load_model(model_config, dtype, device, rope)
         # The C++ CPU ops take the packed linears and the C attention kernels.
         self.cpp_ops = (
             device.type == "cpu"
