@@ -264,6 +264,46 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ],
     ),
     (
+        "Speculative decoding",
+        [
+            (
+                "Draft acceptance rate",
+                "percentunit",
+                [
+                    (
+                        ratio(
+                            rate("pdserve:spec_decode_num_accepted_tokens_total", GATEWAY),
+                            rate("pdserve:spec_decode_num_draft_tokens_total", GATEWAY),
+                        ),
+                        "accepted / proposed",
+                    )
+                ],
+            ),
+            (
+                "Tokens per verification (mean acceptance length)",
+                "short",
+                [
+                    (
+                        "1 + "
+                        + ratio(
+                            rate("pdserve:spec_decode_num_accepted_tokens_total", GATEWAY),
+                            rate("pdserve:spec_decode_num_drafts_total", GATEWAY),
+                        ),
+                        "mean acceptance length",
+                    )
+                ],
+            ),
+            (
+                "Proposed and accepted tokens",
+                "short",
+                [
+                    (rate("pdserve:spec_decode_num_draft_tokens_total", GATEWAY), "proposed"),
+                    (rate("pdserve:spec_decode_num_accepted_tokens_total", GATEWAY), "accepted"),
+                ],
+            ),
+        ],
+    ),
+    (
         "Processes",
         [
             (
