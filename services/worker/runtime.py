@@ -56,6 +56,8 @@ def start_engine(
     fault = step_fault()  # test-only; a bad value stops the start before the model loads
     path = resolve_model(settings.engine.model)
     args = dataclasses.replace(settings.engine, model=str(path))
+    if isinstance(settings, PrefillSettings):  # a prefill step never speculates: no draft
+        args = dataclasses.replace(args, speculative_config=None)
     engine = AsyncEngine(LLMEngine(args, str(path)), before_step=fault)
     resources.callback(engine.shutdown)
     return engine

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -132,3 +133,23 @@ def test_write_layer_draft_keeps_the_first_layers(tiny_llama_path, tmp_path):
     assert (draft / "tokenizer.json").is_file()
     with pytest.raises(ValueError, match="must be in"):
         write_layer_draft(tiny_llama_path, tmp_path / "e", 9)
+
+
+def test_workers_take_the_flag_and_only_decode_loads_the_draft(tiny_llama_path, tmp_path):
+    """`pdserve up` gives every worker the engine flags: a prefill worker never speculates,
+    so it loads no draft (here: one that does not exist), and a decode worker refuses it."""
+    from tests.cluster import Cluster
+
+    config = _config(tmp_path / "no-such-draft")
+    c = Cluster(tmp_path / "logs")
+    try:
+        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "16MiB")
+        model = ["--model", str(tiny_llama_path), "--speculative-config", config]
+        c.start("prefill", "services.prefill", "--kvstore", kv.address, *model)
+        decode = c.launcher.start(
+            "decode", [sys.executable, "-m", "services.decode", "--port", "0", *model], ()
+        )
+        assert decode.proc.wait(timeout=120) == 2
+        assert "is not a checkpoint directory" in decode.log_text()
+    finally:
+        c.stop_all()
