@@ -205,24 +205,23 @@ class ModelRunner:
                 offsets[k] = offsets[k - 1] + 1
         tokens, logprobs, errors = self.sampler(logits, seqs, offsets)
         n = len(batch.seqs)
-        output = ModelRunnerOutput([[] for _ in range(n)], [[] for _ in range(n)])
-        if any(errors):
-            output = ModelRunnerOutput(output.token_ids, output.logprobs, [None] * n)
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        token_logprobs: list[list] = [[] for _ in range(n)]
+        row_errors = [None] * n if any(errors) else None
+        first_row: dict[int, int] = {}  # a sequence's rows are consecutive
         for k, i in enumerate(order):
+            first_row.setdefault(i, k)
             if errors[k] is not None:
-                output.errors[i] = output.errors[i] or errors[k]
-            elif output.errors is None or output.errors[i] is None:
-                output.token_ids[i].append(tokens[k])
-                output.logprobs[i].append(logprobs[k])
+                row_errors[i] = row_errors[i] or errors[k]
+            else:
+                token_ids[i].append(tokens[k])
+                token_logprobs[i].append(logprobs[k])
         for i, seq in enumerate(batch.seqs):
-            if seq.spec_token_ids and (output.errors is None or output.errors[i] is None):
-                rows = [k for k, j in enumerate(order) if j == i]
-                kept = self.acceptance_rule(
-                    seq.spec_token_ids, output.token_ids[i], logits[rows], seq
-                )
-                output.token_ids[i] = kept
-                output.logprobs[i] = output.logprobs[i][: len(kept)]
-        return output
+            if seq.spec_token_ids and not (row_errors and row_errors[i]):
+                rows = logits[first_row[i] : first_row[i] + len(seq.spec_token_ids) + 1]
+                token_ids[i] = self.acceptance_rule(seq.spec_token_ids, token_ids[i], rows, seq)
+                del token_logprobs[i][len(token_ids[i]) :]
+        return ModelRunnerOutput(token_ids, token_logprobs, row_errors)
 
     def _decode_bucket(self, batch: ScheduledBatch) -> int:
         """Rows to pad the decode part to: a graph's bucket, 2 for a compiled step of one
