@@ -49,12 +49,34 @@ class Cluster:
         """Run ``python -m module --port 0 args...`` (``env`` added to its environment) and
         wait for its READY line(s): a gateway also owes ``READY gateway-http`` unless its
         REST API is off; ``ready``: more to wait for (e.g. "decode-metrics")."""
+        argv, expect = self._command(module, args, ready)
+        return self.launcher.start_ready(name, argv, expect, timeout=timeout, env=env)
+
+    def start_many(
+        self, *specs: tuple[str, ...], timeout: float = 120.0, env: dict[str, str] | None = None
+    ) -> list[Child]:
+        """``start`` each ``(name, module, *args)`` at once and wait for them all: their
+        imports and model loads overlap. A spec may end with a dict: its own environment,
+        added to ``env``. A failure stops those it started."""
+        children = []
+        try:
+            for name, module, *args in specs:
+                own = args.pop() if args and isinstance(args[-1], dict) else {}
+                argv, expect = self._command(module, tuple(args), ())
+                children.append(self.launcher.start(name, argv, expect, env={**(env or {}), **own}))
+            self.launcher.wait_ready(children, timeout)
+        except BaseException:
+            self.launcher.stop(children)
+            raise
+        return children
+
+    @staticmethod
+    def _command(module: str, args: tuple[str, ...], ready: tuple[str, ...]):
         expect = [module.rsplit(".", 1)[-1].replace("_", "-")]
         if expect == ["gateway"] and not _rest_off(args):
             expect.append("gateway-http")
         expect += ready
-        argv = [sys.executable, "-m", module, "--port", "0", *args]
-        return self.launcher.start_ready(name, argv, expect, timeout=timeout, env=env)
+        return [sys.executable, "-m", module, "--port", "0", *args], expect
 
     def address(self, name: str) -> str:
         """The address of the started service called ``name``."""

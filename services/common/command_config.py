@@ -168,4 +168,6 @@ TEST_FAULT_ENV = "PDSERVE_TEST_FAULT"
 
 def known_env() -> set[str]:
     """Every ``PDSERVE_*`` variable some pdserve command reads."""
-    return env_names(ALL_SETTINGS) | {TEST_FAULT_ENV}
+    from services.common.grpc_utils import KEEPALIVE_TIME_ENV, KEEPALIVE_TIMEOUT_ENV
+
+    return env_names(ALL_SETTINGS) | {TEST_FAULT_ENV, KEEPALIVE_TIME_ENV, KEEPALIVE_TIMEOUT_ENV}

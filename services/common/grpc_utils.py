@@ -4,6 +4,7 @@ reflection, and the cluster's internal trust (TLS, the internal token: ``trust``
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
@@ -20,12 +21,35 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 STREAM_CHUNK_BYTES = 4 * 2**20
 
 # A peer that stops answering (its host gone, its process frozen) is cut off within
-# keepalive time + timeout, 30 s, and its calls cancelled. grpc core times a keepalive ping
-# out by ping_timeout_ms (default 60 s), not by keepalive_timeout_ms alone: both are set.
+# keepalive time + timeout, 30 s by default, and its calls cancelled. grpc core times a
+# keepalive ping out by ping_timeout_ms (default 60 s), not by keepalive_timeout_ms alone:
+# both are set. PDSERVE_GRPC_KEEPALIVE_TIME_S and _TIMEOUT_S change the two for a process.
+KEEPALIVE_TIME_ENV = "PDSERVE_GRPC_KEEPALIVE_TIME_S"
+KEEPALIVE_TIMEOUT_ENV = "PDSERVE_GRPC_KEEPALIVE_TIMEOUT_S"
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.1 <= value <= 86_400:
+        logger.warning(
+            "%s=%r is not a number of seconds in [0.1, 86400]; using %g", name, raw, default
+        )
+        return default
+    return value
+
+
+KEEPALIVE_TIME_MS = int(1000 * _seconds_from_env(KEEPALIVE_TIME_ENV, 20.0))
+KEEPALIVE_TIMEOUT_MS = int(1000 * _seconds_from_env(KEEPALIVE_TIMEOUT_ENV, 10.0))
 _KEEPALIVE = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
@@ -34,7 +58,8 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # Peers ping as often as this process does (a shorter keepalive set on both sides).
+    ("grpc.http2.min_ping_interval_without_data_ms", min(10_000, KEEPALIVE_TIME_MS)),
     *_KEEPALIVE,
 ]
 # A channel that found its peer down waits before it dials again, 1 s growing 1.6x up to

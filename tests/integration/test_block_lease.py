@@ -39,8 +39,10 @@ def cluster(tiny_llama_path, tmp_path_factory):
     model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
     try:
         kvstore = c.start("kvstore", "services.kvstore", "--block-lease", str(LEASE_S))
-        c.prefill = c.start("prefill", "services.prefill", *model, "--kvstore", kvstore.address)
-        c.decode = c.start("decode", "services.decode", *model, "--kvstore", kvstore.address)
+        c.prefill, c.decode = c.start_many(
+            ("prefill", "services.prefill", *model, "--kvstore", kvstore.address),
+            ("decode", "services.decode", *model, "--kvstore", kvstore.address),
+        )
         c.kvstore = kvstore
         yield c
     finally:

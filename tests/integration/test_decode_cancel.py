@@ -1,9 +1,9 @@
 """A decode worker frees the blocks of a request whose caller went away, within a bound: a
 real client process in the middle of a long Decode stream is SIGKILLed (its kernel closes
 the connection: gRPC cancels the call at once), or SIGSTOPped (nothing closes: the server's
-keepalive ping, every 20 s with 10 s to answer, ends the connection within 30 s). Either way
-the worker's free blocks return to their starting count well before the request would
-have finished."""
+keepalive ping ends the connection: every 20 s with 10 s to answer by default, here every
+2 s with 2 s to answer). Either way the worker's free blocks return to their starting
+count well before the request would have finished."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 3000
 NUM_KV_BLOCKS = 256  # the request needs about 190
 KILLED_BOUND_S = 5.0  # the connection closes with the process; the abort waits one step
-KEEPALIVE_BOUND_S = 30.0 + 10.0  # keepalive time + timeout, and room for a loaded machine
+# The worker's keepalive (grpc_utils): a ping every 2 s, 2 s to answer.
+KEEPALIVE_ENV = {"PDSERVE_GRPC_KEEPALIVE_TIME_S": "2", "PDSERVE_GRPC_KEEPALIVE_TIMEOUT_S": "2"}
+KEEPALIVE_BOUND_S = 2.0 + 2.0 + 6.0  # keepalive time + timeout, and room for a loaded machine
 
 CLIENT = """
 import sys
@@ -46,7 +48,8 @@ def decode(smollm2_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("decode-cancel-logs"))
     try:
         model = ["--model", str(smollm2_path), "--dtype", "float32", "--max-model-len", "4096"]
-        yield c, c.start("decode", "services.decode", *model, "--num-kv-blocks", str(NUM_KV_BLOCKS))
+        blocks = ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
+        yield c, c.start("decode", "services.decode", *model, *blocks, env=KEEPALIVE_ENV)
     finally:
         c.stop_all()
 

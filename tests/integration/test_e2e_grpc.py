@@ -30,44 +30,22 @@ def cluster(tiny_llama_path, tmp_path_factory):
     model = ["--model", str(tiny_llama_path)]
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
-        pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
-        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE)
-        c.start(
-            "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address, *model
+        known = ["--kvstore", kv.address]
+        # decode-bs32 has another block size and dtype: it must refuse the prefill worker's
+        # blocks.
+        odd = ["--num-kv-blocks", "256", "--block-size", "32", "--dtype", "bfloat16"]
+        pre, dec, odd = c.start_many(
+            ("prefill", "services.prefill", *known, *model, *ENGINE),
+            ("decode", "services.decode", *known, *model, *ENGINE),
+            ("decode-bs32", "services.decode", *known, *model, *odd),
         )
-        c.start(
-            "gateway-colocated",
-            "services.gateway",
-            "--decode",
-            dec.address,
-            "--disaggregation",
-            "off",
-            *model,
-        )
-        # A decode worker with another block size and dtype: it must refuse the prefill
-        # worker's blocks.
-        odd = c.start(
-            "decode-bs32",
-            "services.decode",
-            "--kvstore",
-            kv.address,
-            *model,
-            "--num-kv-blocks",
-            "256",
-            "--block-size",
-            "32",
-            "--dtype",
-            "bfloat16",
-        )
-        c.start(
-            "gateway-mismatch",
-            "services.gateway",
-            "--prefill",
-            pre.address,
-            "--decode",
-            odd.address,
-            *model,
-        )
+        c.start_many(
+            ("gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address, *model),
+            ("gateway-colocated", "services.gateway", "--decode", dec.address,
+             "--disaggregation", "off", *model),
+            ("gateway-mismatch", "services.gateway", "--prefill", pre.address,
+             "--decode", odd.address, *model),
+        )  # fmt: skip
         yield c
     finally:
         c.stop_all()

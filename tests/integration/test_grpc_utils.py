@@ -1,5 +1,5 @@
 """The shared gRPC helpers over real sockets: health, a taken port refused loudly, and a
-channel that dials a restarted peer again within seconds."""
+channel that dials a restarted peer again within seconds, keepalives from the environment."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import grpc_utils
+from services.common.command_config import known_env
 from services.common.grpc_utils import MAX_RECONNECT_BACKOFF_MS, aio_channel, start_server
 from services.common.launcher import free_port
 
@@ -59,3 +61,16 @@ async def test_a_peer_back_at_its_address_is_dialled_again_within_the_backoff_ca
                 await asyncio.sleep(0.1)
         finally:
             await server.stop(0)
+
+
+def test_keepalive_seconds_come_from_the_environment(monkeypatch, caplog):
+    name = grpc_utils.KEEPALIVE_TIME_ENV
+    monkeypatch.delenv(name, raising=False)
+    assert grpc_utils._seconds_from_env(name, 20.0) == 20.0
+    monkeypatch.setenv(name, "2.5")
+    assert grpc_utils._seconds_from_env(name, 20.0) == 2.5
+    for bad in ("soon", "0", "-3", "1e9"):
+        monkeypatch.setenv(name, bad)
+        assert grpc_utils._seconds_from_env(name, 20.0) == 20.0
+        assert name in caplog.text and repr(bad) in caplog.text
+    assert name in known_env()

@@ -144,8 +144,10 @@ def token_cluster(tiny_chat_llama_path, tmp_path_factory):
     model = ["--model", str(tiny_chat_llama_path), *ENGINE]
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
-        pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model)
-        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model)
+        pre, dec = c.start_many(
+            ("prefill", "services.prefill", "--kvstore", kv.address, *model),
+            ("decode", "services.decode", "--kvstore", kv.address, *model),
+        )
         c.start(
             "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address,
             "--model", str(tiny_chat_llama_path), "--http-port", "-1",
@@ -248,8 +250,10 @@ def tls_cluster(tiny_chat_llama_path, tmp_path_factory, certs):
     model = ["--model", str(tiny_chat_llama_path), *ENGINE]
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB", *internal)
-        pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *internal)
-        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model, *internal)
+        pre, dec = c.start_many(
+            ("prefill", "services.prefill", "--kvstore", kv.address, *model, *internal),
+            ("decode", "services.decode", "--kvstore", kv.address, *model, *internal),
+        )
         # The public front serves TLS; its clients need no certificate of their own.
         c.start(
             "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address,

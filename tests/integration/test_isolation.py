@@ -28,32 +28,19 @@ def cluster(tiny_chat_llama_path, tmp_path_factory):
     gateway = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL, *model]
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
-        pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
         known = ["--kvstore", kv.address]
-        d0 = c.start("decode-0", "services.decode", *model, *ENGINE, *known)
-        d1 = c.start("decode-1", "services.decode", *model, *ENGINE, *known)
-        one = c.start(
-            "gateway-one",
-            "services.gateway",
-            "--prefill",
-            pre.address,
-            "--decode",
-            d0.address,
-            *gateway,
+        pre, d0, d1 = c.start_many(
+            ("prefill", "services.prefill", *known, *model, *ENGINE),
+            ("decode-0", "services.decode", *model, *ENGINE, *known),
+            ("decode-1", "services.decode", *model, *ENGINE, *known),
         )
-        two = c.start(
-            "gateway-two",
-            "services.gateway",
-            "--prefill",
-            pre.address,
-            "--decode",
-            d0.address,
-            "--decode",
-            d1.address,
-            "--routing",
-            "round-robin",
-            *gateway,
-        )
+        one, two = c.start_many(
+            ("gateway-one", "services.gateway", "--prefill", pre.address,
+             "--decode", d0.address, *gateway),
+            ("gateway-two", "services.gateway", "--prefill", pre.address,
+             "--decode", d0.address, "--decode", d1.address, "--routing", "round-robin",
+             *gateway),
+        )  # fmt: skip
         c.urls = {
             "one": f"http://{one.addresses['gateway-http']}/v1",
             "two": f"http://{two.addresses['gateway-http']}/v1",

@@ -135,19 +135,13 @@ def cluster(tiny_llama_path, tmp_path_factory):
     # dials again (a fetch meanwhile fails at once and is recomputed).
     c.sound_kvstore = f"127.0.0.1:{free_port()}"
     try:
-        c.decode = c.start(
-            "decode",
-            "services.decode",
-            *model,
-            *("--kvstore", c.fetch_kvstore, "--kvstore", c.sound_kvstore),
-            *("--kv-fetch-timeout", "1"),
-        )
-        c.prefill = c.start(
-            "prefill",
-            "services.prefill",
-            *model,
-            *("--kvstore", c.push_kvstore, "--kv-push-timeout", "1"),
-        )
+        c.decode, c.prefill = c.start_many(
+            ("decode", "services.decode", *model,
+             *("--kvstore", c.fetch_kvstore, "--kvstore", c.sound_kvstore),
+             *("--kv-fetch-timeout", "1")),
+            ("prefill", "services.prefill", *model,
+             *("--kvstore", c.push_kvstore, "--kv-push-timeout", "1")),
+        )  # fmt: skip
         yield c
     finally:
         c.stop_all()

@@ -31,16 +31,13 @@ def start_cluster(model_path, log_dir, disaggregated: bool, decode0_env=None) ->
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
         known = ["--kvstore", kv.address]
-        pools = []
-        if disaggregated:
-            pre = c.start("prefill", "services.prefill", *known, *model, *ENGINE)
-            pools += ["--prefill", pre.address]
-        else:
-            pools += ["--disaggregation", "off"]
-        for i in range(2):
-            env = decode0_env if i == 0 else None
-            d = c.start(f"decode-{i}", "services.decode", *model, *ENGINE, *known, env=env)
-            pools += ["--decode", d.address]
+        workers = c.start_many(
+            ("decode-0", "services.decode", *model, *ENGINE, *known, decode0_env or {}),
+            ("decode-1", "services.decode", *model, *ENGINE, *known),
+            *([("prefill", "services.prefill", *known, *model, *ENGINE)] if disaggregated else []),
+        )
+        pools = ["--prefill", workers[2].address] if disaggregated else ["--disaggregation", "off"]
+        pools += ["--decode", workers[0].address, "--decode", workers[1].address]
         gw = c.start(
             "gateway",
             "services.gateway",

@@ -32,8 +32,10 @@ def cluster(chat_model, tmp_path_factory):
     model = ["--model", str(chat_model)]
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
-        pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
-        dec = c.start("decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE)
+        pre, dec = c.start_many(
+            ("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE),
+            ("decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE),
+        )
         gw = c.start(
             "gateway",
             "services.gateway",

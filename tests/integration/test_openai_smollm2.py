@@ -21,16 +21,18 @@ def cluster(smollm2_path, tmp_path_factory):
     model = ["--model", str(smollm2_path)]
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "256MiB")
-        pre = c.start("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE)
-        dec = c.start(
-            "decode",
-            "services.decode",
-            "--kvstore",
-            kv.address,
-            "--speculative-config",
-            SPECULATIVE,
-            *model,
-            *ENGINE,
+        known = ["--kvstore", kv.address]
+        pre, dec = c.start_many(
+            ("prefill", "services.prefill", *known, *model, *ENGINE),
+            (
+                "decode",
+                "services.decode",
+                *known,
+                "--speculative-config",
+                SPECULATIVE,
+                *model,
+                *ENGINE,
+            ),
         )
         gw = c.start(
             "gateway",

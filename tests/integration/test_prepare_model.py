@@ -135,13 +135,11 @@ def test_force_replaces_a_complete_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    home = tmp_path_factory.mktemp("pdserve-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PDSERVE_HOME", str(home))
-        path = pm.prepare_default_model(progress=False)
-    assert path == home / "models" / pm.DEFAULT_MODEL_NAME
-    return path
+def converted(smollm2_path) -> Path:
+    """The session's real conversion (cold in CI: each conversion costs about 30 s, so the
+    suite makes one), in its own PDSERVE_HOME or the user's cache."""
+    assert smollm2_path.name == pm.DEFAULT_MODEL_NAME
+    return smollm2_path
 
 
 @pytest.mark.slow

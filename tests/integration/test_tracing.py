@@ -59,18 +59,11 @@ def cluster(smollm2_path, collector, tmp_path_factory):
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export every 100 ms, not every 5 s
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "256MiB", *traced, env=env)
-        pre = c.start(
-            "prefill",
-            "services.prefill",
-            "--kvstore",
-            kv.address,
-            *model,
-            *ENGINE,
-            *traced,
+        known = ["--kvstore", kv.address]
+        pre, dec = c.start_many(
+            ("prefill", "services.prefill", *known, *model, *ENGINE, *traced),
+            ("decode", "services.decode", *known, *model, *ENGINE, *traced),
             env=env,
-        )
-        dec = c.start(
-            "decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE, *traced, env=env
         )
         gw = c.start(
             "gateway",

@@ -32,8 +32,10 @@ def cluster(tiny_llama_path, tmp_path_factory):
     try:
         kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
         model = ["--model", str(tiny_llama_path), *ENGINE]
-        c.start("prefill", "services.prefill", "--kvstore", kv.address, *model)
-        c.start("decode", "services.decode", "--kvstore", kv.address, *model)
+        c.start_many(
+            ("prefill", "services.prefill", "--kvstore", kv.address, *model),
+            ("decode", "services.decode", "--kvstore", kv.address, *model),
+        )
         yield c
     finally:
         c.stop_all()
