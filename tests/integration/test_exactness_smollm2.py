@@ -115,29 +115,20 @@ def test_32_mixed_requests_together_hit_the_prefix_cache(llm, refs):
     assert llm.stats().prefix_cache_hits > hits_before
 
 
-def test_chunked_prefill(smollm2_path, refs, enforce_eager):
-    llm = LLM(
-        model=str(smollm2_path),
-        dtype="float32",
-        max_model_len=2048,
-        kv_cache_memory="512MiB",
-        max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
-    )
-    _check(llm, refs, "chunked64")
-
-
-def test_preemption(smollm2_path, refs, enforce_eager):
-    # 140 blocks of 16 tokens: the longest request fits alone, the whole set does not.
+def test_chunked_prefill_and_preemption(smollm2_path, refs, enforce_eager):
+    # Chunks of 64 tokens, and 140 blocks of 16 tokens: the longest request fits alone,
+    # the whole set does not, so requests are preempted and their prefill recomputed.
     llm = LLM(
         model=str(smollm2_path),
         dtype="float32",
         max_model_len=2048,
         num_kv_blocks=140,
+        max_num_batched_tokens=64,
         enforce_eager=enforce_eager,
     )
-    _check(llm, refs, "preempt")
-    assert llm.stats().num_preemptions > 0
+    _check(llm, refs, "chunked64-preempted")
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
 
 
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -147,10 +138,11 @@ SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
     "engine_args",
     [
         dict(kv_cache_memory="512MiB"),
-        # 140 blocks: preempted (see test_preemption), and prompts in chunks of 64.
-        dict(num_kv_blocks=140, max_num_batched_tokens=64),
+        # 140 blocks: preempted (see test_chunked_prefill_and_preemption), and prompts in
+        # chunks of 256.
+        dict(num_kv_blocks=140, max_num_batched_tokens=256),
     ],
-    ids=["batched-prefix-cached", "preempted-chunked64"],
+    ids=["batched-prefix-cached", "preempted-chunked256"],
 )
 def test_speculation_matches_transformers(smollm2_path, refs, engine_args):
     """n-gram speculation on the compiled step: the same tokens, and the drafts of the
