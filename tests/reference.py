@@ -20,6 +20,10 @@ class Reference:
     gaps: list[float]
     best: list[float]
 
+    def first(self, n: int) -> Reference:
+        """The same prompt's first ``n`` generated tokens."""
+        return Reference(self.prompt, self.tokens[:n], self.gaps[:n], self.best[:n])
+
     def suffix(self, j: int) -> Reference:
         """The same continuation seen from prompt + first j generated tokens."""
         return Reference(
