@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import threading
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from services.common.model import ModelConfig
 from services.engine.model.llama import LlamaForCausalLM, Rotary
@@ -21,23 +25,59 @@ _FUSED = {
 
 
 def rope_tables(cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> Rotary:
-    """Rotary tables computed by transformers' own init functions, so every rope type matches it."""
-    from transformers import AutoConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    """Rotary tables: plain rope from config.json, any other type by transformers' own init
+    functions, so that every rope type matches it (importing transformers costs a second
+    or more of a worker's start, so the plain case does without)."""
+    theta = _plain_rope_theta(Path(cfg.path))
+    if theta is None:
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = AutoConfig.from_pretrained(cfg.path)
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "dynamic":
-        raise ValueError(f"{cfg.path}: dynamic NTK rope scaling is not supported")
-    if rope_type == "default":
+        hf = AutoConfig.from_pretrained(cfg.path)
+        params = getattr(hf, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "dynamic":
+            raise ValueError(f"{cfg.path}: dynamic NTK rope scaling is not supported")
+        if rope_type != "default":
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+            return Rotary(inv_freq, scaling, max_positions, dtype)
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        d = cfg.head_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        scaling = 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
-    return Rotary(inv_freq, scaling, max_positions, dtype)
+    d = cfg.head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    return Rotary(inv_freq, 1.0, max_positions, dtype)
+
+
+def _plain_rope_theta(path: Path) -> float | None:
+    """The base of a plain (unscaled, full-width) rope as config.json gives it; None for
+    anything else, which transformers then reads."""
+    raw = json.loads((path / "config.json").read_text())
+    params = raw.get("rope_parameters") or {}
+    if raw.get("rope_scaling") or raw.get("partial_rotary_factor", 1.0) != 1.0:
+        return None
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        return None
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    return float(theta) if isinstance(theta, int | float) else None
+
+
+_INIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_random_init():
+    """nn.Linear and nn.Embedding skip their random init (the checkpoint's weights replace
+    it), as transformers' ``no_init_weights`` does."""
+    with _INIT_LOCK:
+        saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+        nn.Linear.reset_parameters = nn.Embedding.reset_parameters = _no_init
+        try:
+            yield
+        finally:
+            nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def _no_init(module: nn.Module) -> None:
+    pass
 
 
 def load_model(
@@ -47,12 +87,18 @@ def load_model(
     max_positions: int,
 ) -> LlamaForCausalLM:
     """The model with its weights, in ``dtype`` on ``device``, ready for inference."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, rope_tables(cfg, 1, dtype))
-    model = model.to(dtype).to_empty(device=device)  # no float32 copy on the way
-    if cfg.tie_word_embeddings:  # to_empty makes a parameter per use: tie again
+    # Built on the meta device without the modules' random init, and with a placeholder
+    # table made outside it: random init and torch.arange on the meta device run through
+    # torch._refs, whose import of dynamo costs seconds of an eager worker's start.
+    placeholder = rope_tables(cfg, 1, dtype)
+    with torch.device("meta"), _without_random_init():
+        model = LlamaForCausalLM(cfg, placeholder)
+    # Storage for every tensor, uninitialised (no float32 copy on the way). torch.empty,
+    # not to_empty's empty_like, whose meta-tensor path imports sympy.
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    if cfg.tie_word_embeddings:  # _apply makes a parameter per use: tie again
         model.lm_head.weight = model.embed_tokens.weight
-    # Built after to_empty, which would wipe its buffers.
+    # Built after _apply, which would wipe its buffers.
     model.rotary = rope_tables(cfg, max_positions, dtype).to(device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
