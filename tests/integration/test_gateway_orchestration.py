@@ -76,10 +76,12 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.delay_s = delay_s
         self.num_cached_tokens = num_cached_tokens
         self.error = error
+        self.started = asyncio.Event()  # a Decode call arrived
         self.cancelled = asyncio.Event()
 
     async def Decode(self, request, context):
         self.log.append(("decode", request))
+        self.started.set()
         if self.error is not None:
             await context.abort(*self.error)
         chunks = self.chunks

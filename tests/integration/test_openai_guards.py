@@ -58,7 +58,8 @@ async def test_disconnect_while_waiting_for_a_whole_reply_cancels_the_decode_cal
 ):
     async with rest_over_fake_decode(tiny_llama_path) as (client, decode):
         request = asyncio.create_task(client.post("/v1/completions", json=BODY))
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(decode.started.wait(), 10)
+        await asyncio.sleep(0.1)  # a few tokens
         request.cancel()  # closes the connection
         await asyncio.wait_for(decode.cancelled.wait(), 5)
 
