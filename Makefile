@@ -50,7 +50,7 @@ up: $(STAMP)
 	$(VENV)/bin/pdserve up $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

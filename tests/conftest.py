@@ -56,26 +56,3 @@ def tiny_chat_llama_path(tiny_llama_path, tmp_path_factory) -> Path:
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     )
     return model
-
-
-# The longest files first (measured: `--durations`): `make test` hands whole files to its
-# processes in collection order, so that none is left running a long file alone at the end.
-_LONGEST_FIRST = (
-    "test_exactness_smollm2.py",
-    "test_chaos.py",
-    "test_migration.py",
-    "test_up.py",
-    "test_control_plane.py",
-    "test_exactness_tiny.py",
-    "test_decode_cancel.py",
-    "test_cli.py",
-    "test_worker_watchdog.py",
-    "test_openai_smollm2.py",
-    "test_block_integrity.py",
-)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
