@@ -9,6 +9,14 @@ An engine whose thread dies (an exception outside a step's error handling) or st
 returning from a step or command (``watch``'s stall timeout) is dead for good: every
 request and call waiting on it ends at once (an ``engine_down`` error, ``EngineDead``),
 new ones are refused, and ``watch`` tells the worker, which then leaves.
+
+An engine built by the engine thread itself (``AsyncEngine(make_engine)``, as the workers
+do) is the only user of OpenMP threads in the process: the thread that starts it runs its
+own torch ops serially from then on. libgomp keeps a pool of worker threads for every
+thread that has ever opened a parallel region, and once the process holds more of them
+than it has cores it stops spinning between regions and sleeps on a futex instead; a
+compiled CPU step opens a few hundred regions, and paid a wake-up for each (a SmolLM2
+decode step on 2 cores: 13 ms on the thread that had built the engine, 40 ms on another).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+
+import torch
 
 from services.common.kv_blocks import FetchedBlocks
 from services.common.sampling import SamplingParams, TokenLogprobs
@@ -58,10 +68,14 @@ class AsyncEngine:
     step's error handling (the worker's test-only fault injection).
     """
 
-    def __init__(self, engine: LLMEngine, before_step: Callable[[int], None] | None = None) -> None:
-        self.engine = engine
-        self.info = engine.info()
-        self.stats = engine.stats()
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        before_step: Callable[[int], None] | None = None,
+    ) -> None:
+        """``engine``: an engine, or a function that builds one, which the engine thread
+        then calls (its error, e.g. a bad model, is raised here)."""
+        make = None if isinstance(engine, LLMEngine) else engine
         self.num_requests = 0  # requests taken, for the registry
         self.num_steps = 0
         self.failure: str | None = None  # why the engine is dead; set once, never cleared
@@ -75,8 +89,26 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._waiters: dict[int, Callable[[EngineDead], None]] = {}
         self._waiter_ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        threads = 0
+        if make is None:
+            self.engine = engine
+        else:
+            threads = _serial_from_now()
+        self._thread = threading.Thread(
+            target=self._run, args=(make, threads), name="engine", daemon=True
+        )
         self._thread.start()
+        if make is not None:
+            while not self._built.wait(1.0):  # a load has no deadline; a dead thread ends it
+                if not self._thread.is_alive():
+                    break
+            if not self._built.is_set() or self._build_error is not None:
+                self._thread.join(timeout=10)
+                raise self._build_error or RuntimeError("the engine thread ended while loading")
+        self.info = self.engine.info()
+        self.stats = self.engine.stats()
 
     # --- called from asyncio -------------------------------------------------------
 
@@ -294,7 +326,16 @@ class AsyncEngine:
         seq.spec_pending = None
         _post(loop, out.put_nowait, delta)
 
-    def _run(self) -> None:
+    def _run(self, make: Callable[[], LLMEngine] | None, threads: int) -> None:
+        if make is not None:
+            try:
+                torch.set_num_threads(threads)
+                self.engine = make()
+            except BaseException as error:  # noqa: BLE001 (raised by the constructor)
+                self._build_error = error
+                return
+            finally:
+                self._built.set()
         try:
             self._loop()
         except BaseException as error:  # noqa: BLE001 (the engine is dead: say so, then leave)
@@ -352,6 +393,26 @@ def _engine_down(error: EngineDead) -> RequestDelta:
     return RequestDelta(
         [], [], finish_reason="error", error=RequestError(message, engine_down=True)
     )
+
+
+# torch's thread count before the first _serial_from_now(): what every engine thread takes.
+_engine_threads: int | None = None
+
+
+def _serial_from_now() -> int:
+    """Run the calling thread's torch ops on it alone, for good; return torch's thread count
+    before, for the engine thread to take.
+
+    ``torch.set_num_threads`` sets the count of the thread that calls it and the default of
+    threads that have not yet run a parallel op: the small op settles this thread's count at
+    1 before the engine thread sets the default back.
+    """
+    global _engine_threads
+    if _engine_threads is None:  # a thread made serial before reads 1 here, not the count
+        _engine_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.zeros(2).add_(1)
+    return _engine_threads
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:

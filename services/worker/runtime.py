@@ -58,7 +58,7 @@ def start_engine(
     args = dataclasses.replace(settings.engine, model=str(path))
     if isinstance(settings, PrefillSettings):  # a prefill step never speculates: no draft
         args = dataclasses.replace(args, speculative_config=None)
-    engine = AsyncEngine(LLMEngine(args, str(path)), before_step=fault)
+    engine = AsyncEngine(lambda: LLMEngine(args, str(path)), before_step=fault)
     resources.callback(engine.shutdown)
     return engine
 
