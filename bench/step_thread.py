@@ -1,0 +1,109 @@
+"""The engine's decode step on the thread that built the engine against another thread.
+
+    .venv/bin/python bench/step_thread.py [--dtype bfloat16] [--batches 1,16]
+
+libgomp keeps a pool of OpenMP worker threads for every thread that has opened a parallel
+region, and once a process holds more OpenMP threads than cores it stops spinning between
+regions (each region then waits on futex wake-ups). One process per variant (SmolLM2, warm
+compile cache assumed), each deciding B prompts of 256 tokens for 48 tokens and taking the
+median of the last 40 steps, three repeats (their median):
+
+- ``built here``: the engine is built and stepped on the main thread (``LLM``, the
+  offline API);
+- ``stepped on another thread``: built on the main thread, stepped on a second one (the
+  workers before their engine was built on the engine thread);
+- ``AsyncEngine``: ``AsyncEngine(builder)`` as the workers run it, the step timed on its
+  engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+VARIANTS = ("built here", "stepped on another thread", "AsyncEngine")
+
+
+def _decode(engine, batches: list[int]) -> dict[int, float]:
+    from services.common.sampling import SamplingParams
+
+    out = {}
+    for b in batches:
+        repeats = []
+        for rep in range(3):
+            params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0)
+            for i in range(b):  # distinct prompts: no prefix-cache hits across repeats
+                engine.add_request(list(range(100 + 7 * rep + i, 356 + 7 * rep + i)), params)
+            times = []
+            while engine.has_unfinished():
+                started = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - started)
+            repeats.append(statistics.median(times[-40:]) * 1000)
+        out[b] = statistics.median(repeats)
+    return out
+
+
+def _child(variant: str, dtype: str, batches: list[int]) -> dict[int, float]:
+    from services.common.config import EngineArgs
+    from services.common.model import locate_model
+    from services.engine.async_engine import AsyncEngine
+    from services.engine.engine import LLMEngine
+
+    model = str(locate_model(None))
+    args = EngineArgs(model=model, dtype=dtype)
+    if variant == "AsyncEngine":
+        engine = AsyncEngine(lambda: LLMEngine(args, model))
+
+        async def run() -> dict[int, float]:
+            return await engine.call(lambda e: _decode(e, batches))
+
+        result = asyncio.run(run())
+        engine.shutdown()
+        return result
+    built = LLMEngine(args, model)
+    if variant == "built here":
+        return _decode(built, batches)
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(r=_decode(built, batches)))
+    thread.start()
+    thread.join()
+    return box["r"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        print(json.dumps(_child(args.child, args.dtype, batches)))
+        return
+    rows = {}
+    for variant in VARIANTS:
+        argv = [sys.executable, __file__, "--child", variant, "--dtype", args.dtype]
+        out = subprocess.run(
+            [*argv, "--batches", args.batches], cwd=ROOT, capture_output=True, text=True
+        )
+        if out.returncode != 0:
+            sys.exit(f"{variant}: failed\n{out.stderr[-2000:]}")
+        rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"| variant | {' | '.join(f'batch {b} step ms' for b in batches)} |")
+    print(f"|---|{'---|' * len(batches)}")
+    for variant, times in rows.items():
+        print(f"| {variant} | {' | '.join(f'{times[str(b)]:.1f}' for b in batches)} |")
+
+
+if __name__ == "__main__":
+    main()
