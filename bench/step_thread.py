@@ -21,36 +21,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.step_time import decode_step_ms  # noqa: E402
+
 VARIANTS = ("built here", "stepped on another thread", "AsyncEngine")
-
-
-def _decode(engine, batches: list[int]) -> dict[int, float]:
-    from services.common.sampling import SamplingParams
-
-    out = {}
-    for b in batches:
-        repeats = []
-        for rep in range(3):
-            params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0)
-            for i in range(b):  # distinct prompts: no prefix-cache hits across repeats
-                engine.add_request(list(range(100 + 7 * rep + i, 356 + 7 * rep + i)), params)
-            times = []
-            while engine.has_unfinished():
-                started = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - started)
-            repeats.append(statistics.median(times[-40:]) * 1000)
-        out[b] = statistics.median(repeats)
-    return out
 
 
 def _child(variant: str, dtype: str, batches: list[int]) -> dict[int, float]:
@@ -65,16 +45,16 @@ def _child(variant: str, dtype: str, batches: list[int]) -> dict[int, float]:
         engine = AsyncEngine(lambda: LLMEngine(args, model))
 
         async def run() -> dict[int, float]:
-            return await engine.call(lambda e: _decode(e, batches))
+            return await engine.call(lambda e: decode_step_ms(e, batches))
 
         result = asyncio.run(run())
         engine.shutdown()
         return result
     built = LLMEngine(args, model)
     if variant == "built here":
-        return _decode(built, batches)
+        return decode_step_ms(built, batches)
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(r=_decode(built, batches)))
+    thread = threading.Thread(target=lambda: box.update(r=decode_step_ms(built, batches)))
     thread.start()
     thread.join()
     return box["r"]
