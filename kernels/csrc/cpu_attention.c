@@ -7,11 +7,14 @@
  * A token's slot is block * block_size + token. Block tables are int32, seq_lens int32.
  * T is float (fp32) or uint16_t (bf16 bits); arithmetic is always fp32.
  *
- * Decode: one task per (sequence, kv head) computes all G = H / Hkv query heads of its
- * group: scores over the context 16 tokens at a time, an exact softmax (max, exp, sum),
- * then the probability-weighted sum of V. The AVX-512 path is specialised for the
- * common group sizes and head dims (so that q and the accumulators stay in registers);
- * other shapes and other CPUs take the portable loops.
+ * Decode: a task computes all G = H / Hkv query heads of a group: scores over the context
+ * 16 tokens at a time, an exact softmax (max, exp, sum), then the probability-weighted sum
+ * of V. With a batch of at least 4 sequences per thread, a task is one whole sequence
+ * (every kv head, tile by tile, so that each block's head-major run is read in one pass);
+ * with fewer, a task is one (sequence, kv head), so that the threads have work to share.
+ * The AVX-512 paths are specialised for the common group sizes and head dims (so that q
+ * and the accumulators stay in registers) and give equal results; other shapes and
+ * other CPUs take the portable loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -106,6 +109,8 @@ DEFINE_DECODE_PORTABLE(bf16, uint16_t, ld_bf16, st_bf16)
 #ifdef __AVX512F__
 #define MAX_G 8
 #define MAX_C 8 /* head_dim up to 128 */
+/* M(SFX, G) for each group size the AVX-512 paths are specialised for. */
+#define EACH_G(M, SFX) M(SFX, 1) M(SFX, 2) M(SFX, 3) M(SFX, 4) M(SFX, 5) M(SFX, 6) M(SFX, 7) M(SFX, 8)
 
 static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const uint16_t* p) {
@@ -146,6 +151,19 @@ static inline void prefetch_rows(const void* p, int64_t stride_bytes, int row_by
     const char* base = (const char*)p;
     for (int r = 0; r < 16; r++)
         for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(base + r * stride_bytes + b, _MM_HINT_T0);
+}
+
+/* The element offset of token t of a sequence (its block from the table, then its row). */
+static inline int64_t token_at(const int32_t* table, int t, int block_size, int64_t blk_s,
+                               int64_t tok_s) {
+    return table[t / block_size] * blk_s + (int64_t)(t % block_size) * tok_s;
+}
+
+/* prefetch_rows for each of hkv heads, head_bytes apart. */
+static inline void prefetch_heads(const void* p, int hkv, int64_t head_bytes,
+                                  int64_t stride_bytes, int row_bytes) {
+    for (int hk = 0; hk < hkv; hk++)
+        prefetch_rows((const char*)p + hk * head_bytes, stride_bytes, row_bytes);
 }
 
 /* [sum(a[0]), ..., sum(a[15])]: sixteen horizontal sums in one vector. */
@@ -264,14 +282,137 @@ DEFINE_DECODE_AVX512(bf16, uint16_t)
                                       int hk, int H, int G, int C, int block_size,             \
                                       float scale, T* out, float* scores, int64_t stride_g) {  \
         switch (G) {                                                                          \
-            CASE_G(SFX, 1) CASE_G(SFX, 2) CASE_G(SFX, 3) CASE_G(SFX, 4)                       \
-            CASE_G(SFX, 5) CASE_G(SFX, 6) CASE_G(SFX, 7) CASE_G(SFX, 8)                       \
+            EACH_G(CASE_G, SFX)                                                               \
         }                                                                                     \
         return 0;                                                                             \
     }
 
 DEFINE_DISPATCH(f32, float)
 DEFINE_DISPATCH(bf16, uint16_t)
+
+/* One sequence, every kv head, a 16-token tile at a time: each tile's K (then V) rows of all
+ * heads are read together, which in the engine's head-major blocks is one contiguous run
+ * per block, so the hardware prefetcher streams it. The arithmetic of each head is that of
+ * decode_task_avx512, in the same order (the query scaled in fp32, the same dot-product
+ * chains and sums, the V sum over tokens in order), so the two give equal results; only
+ * the state between tiles (running maxima, V sums) lives in `work` instead of registers.
+ * scores: [H][stride_g]; work: 2 * H * 16 * C + H * 16 floats, 64-byte aligned. */
+#define DEFINE_DECODE_SEQ_AVX512(SFX, T)                                                       \
+    static inline __attribute__((always_inline)) void decode_seq_avx512_##SFX(               \
+        const T* q, int64_t q_ts, int64_t q_hs, const T* kc, const T* vc, int64_t blk_s,      \
+        int64_t tok_s, int64_t head_s, const int32_t* table, int len, int s, int H, int hkv,  \
+        const int G, const int C, int block_size, float scale, T* out, float* scores,         \
+        int64_t stride_g, float* work) {                                                      \
+        float* qf = work;                  /* [H][16 C]: the scaled query */                  \
+        float* accf = work + H * 16 * C;   /* [H][16 C]: the V sums */                        \
+        float* mxf = work + 2 * H * 16 * C; /* [H][16]: running maxima */                     \
+        const __m512 sc = _mm512_set1_ps(scale);                                              \
+        for (int h = 0; h < H; h++) {                                                         \
+            const T* qp = q + s * q_ts + (int64_t)h * q_hs;                                   \
+            for (int c = 0; c < C; c++)                                                       \
+                _mm512_store_ps(qf + (h * C + c) * 16, _mm512_mul_ps(load16_##SFX(qp + 16 * c), sc)); \
+            _mm512_store_ps(mxf + h * 16, _mm512_set1_ps(-INFINITY));                         \
+        }                                                                                     \
+        const int row_bytes = (int)sizeof(T) * 16 * C;                                        \
+        for (int t0 = 0; t0 < len; t0 += 16) {                                                \
+            const int tn = len - t0 < 16 ? len - t0 : 16;                                     \
+            const __mmask16 valid = (__mmask16)((1u << tn) - 1u);                             \
+            const T* kt = kc + token_at(table, t0, block_size, blk_s, tok_s);              \
+            if (t0 + 16 < len)                                                                \
+                prefetch_heads(kc + token_at(table, t0 + 16, block_size, blk_s, tok_s), hkv,   \
+                               head_s * (int64_t)sizeof(T), tok_s * (int64_t)sizeof(T), row_bytes); \
+            for (int hk = 0; hk < hkv; hk++) {                                                \
+                const T* kb = kt + hk * head_s;                                               \
+                for (int g = 0; g < G; g++) {                                                 \
+                    const int h = hk * G + g;                                                 \
+                    __m512 qv[MAX_C], part[16];                                               \
+                    for (int c = 0; c < C; c++) qv[c] = _mm512_load_ps(qf + (h * C + c) * 16); \
+                    for (int j = 0; j < 16; j++) {                                            \
+                        const T* kp = kb + (int64_t)(j < tn ? j : 0) * tok_s;                 \
+                        __m512 x = _mm512_mul_ps(qv[0], load16_##SFX(kp));                    \
+                        for (int c = 1; c < C; c++)                                           \
+                            x = _mm512_fmadd_ps(qv[c], load16_##SFX(kp + 16 * c), x);         \
+                        part[j] = x;                                                          \
+                    }                                                                         \
+                    const __m512 d = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),   \
+                                                          transpose_sum16(part));             \
+                    _mm512_store_ps(scores + h * stride_g + t0, d);                           \
+                    _mm512_store_ps(mxf + h * 16, _mm512_max_ps(_mm512_load_ps(mxf + h * 16), d)); \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int h = 0; h < H; h++) {                                                         \
+            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(mxf + h * 16))); \
+            float* p = scores + h * stride_g;                                                 \
+            __m512 sum = _mm512_setzero_ps();                                                 \
+            for (int t0 = 0; t0 < len; t0 += 16) {                                            \
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(p + t0), m));            \
+                _mm512_store_ps(p + t0, e);                                                   \
+                sum = _mm512_add_ps(sum, e);                                                  \
+            }                                                                                 \
+            mxf[h * 16] = 1.f / _mm512_reduce_add_ps(sum); /* the maxima are done with */    \
+            for (int c = 0; c < C; c++) _mm512_store_ps(accf + (h * C + c) * 16, _mm512_setzero_ps()); \
+        }                                                                                     \
+        for (int t0 = 0; t0 < len; t0 += 16) {                                                \
+            const int tn = len - t0 < 16 ? len - t0 : 16;                                     \
+            const T* vt = vc + token_at(table, t0, block_size, blk_s, tok_s);              \
+            if (t0 + 16 < len)                                                                \
+                prefetch_heads(vc + token_at(table, t0 + 16, block_size, blk_s, tok_s), hkv,   \
+                               head_s * (int64_t)sizeof(T), tok_s * (int64_t)sizeof(T), row_bytes); \
+            for (int hk = 0; hk < hkv; hk++) {                                                \
+                const T* vb = vt + hk * head_s;                                               \
+                __m512 acc[MAX_G][MAX_C];                                                     \
+                for (int g = 0; g < G; g++)                                                   \
+                    for (int c = 0; c < C; c++)                                               \
+                        acc[g][c] = _mm512_load_ps(accf + ((hk * G + g) * C + c) * 16);       \
+                for (int j = 0; j < tn; j++) {                                                \
+                    const T* vp = vb + (int64_t)j * tok_s;                                    \
+                    __m512 vv[MAX_C];                                                         \
+                    for (int c = 0; c < C; c++) vv[c] = load16_##SFX(vp + 16 * c);            \
+                    for (int g = 0; g < G; g++) {                                             \
+                        const __m512 pg = _mm512_set1_ps(scores[(hk * G + g) * stride_g + t0 + j]); \
+                        for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]); \
+                    }                                                                         \
+                }                                                                             \
+                for (int g = 0; g < G; g++)                                                   \
+                    for (int c = 0; c < C; c++)                                               \
+                        _mm512_store_ps(accf + ((hk * G + g) * C + c) * 16, acc[g][c]);       \
+            }                                                                                 \
+        }                                                                                     \
+        for (int h = 0; h < H; h++) {                                                         \
+            T* op = out + ((int64_t)s * H + h) * 16 * C;                                      \
+            const __m512 iv = _mm512_set1_ps(mxf[h * 16]);                                    \
+            for (int c = 0; c < C; c++)                                                       \
+                store16_##SFX(op + 16 * c, _mm512_mul_ps(_mm512_load_ps(accf + (h * C + c) * 16), iv)); \
+        }                                                                                     \
+    }
+
+DEFINE_DECODE_SEQ_AVX512(f32, float)
+DEFINE_DECODE_SEQ_AVX512(bf16, uint16_t)
+
+#define SEQ_CASE_C(SFX, G_, C_)                                                                \
+    case C_:                                                                                  \
+        decode_seq_avx512_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s, H, \
+                                hkv, G_, C_, block_size, scale, out, scores, stride_g, work); \
+        return 1;
+#define SEQ_CASE_G(SFX, G_)                                                                    \
+    case G_:                                                                                  \
+        switch (C) { SEQ_CASE_C(SFX, G_, 2) SEQ_CASE_C(SFX, G_, 4) SEQ_CASE_C(SFX, G_, 8) }  \
+        return 0;
+#define DEFINE_SEQ_DISPATCH(SFX, T)                                                            \
+    static int decode_seq_fast_##SFX(const T* q, int64_t q_ts, int64_t q_hs, const T* kc,      \
+                                     const T* vc, int64_t blk_s, int64_t tok_s, int64_t head_s, \
+                                     const int32_t* table, int len, int s, int H, int hkv,     \
+                                     int G, int C, int block_size, float scale, T* out,        \
+                                     float* scores, int64_t stride_g, float* work) {           \
+        switch (G) {                                                                          \
+            EACH_G(SEQ_CASE_G, SFX)                                                           \
+        }                                                                                     \
+        return 0;                                                                             \
+    }
+
+DEFINE_SEQ_DISPATCH(f32, float)
+DEFINE_SEQ_DISPATCH(bf16, uint16_t)
 #define HAVE_FAST 1
 #else
 #define HAVE_FAST 0
@@ -292,19 +433,30 @@ DEFINE_DISPATCH(bf16, uint16_t)
         for (int s = 0; s < S; s++)                                                           \
             if (seq_lens[s] > max_len) max_len = seq_lens[s];                                 \
         const int64_t stride_g = ((int64_t)max_len + 31) & ~(int64_t)15;                      \
+        /* With enough sequences to share out, a task is a whole sequence (SEQ_CALL: its   \
+         * heads read block by block); else one task per (sequence, kv head). */          \
+        const int per_seq = fast && S >= 4 * nthreads && G <= 8 && (C == 2 || C == 4 || C == 8); \
+        const int ntasks = per_seq ? S : S * hkv;                                             \
         _Pragma("omp parallel num_threads(nthreads)") {                                       \
-            float* scores = (float*)aligned_alloc(64, sizeof(float) * (size_t)(G * stride_g)); \
+            const int rows = per_seq ? H : G;                                                 \
+            float* scores = (float*)aligned_alloc(64, sizeof(float) * (size_t)(rows * stride_g)); \
+            float* work = (float*)aligned_alloc(64, sizeof(float) * (size_t)(H * (32 * C + 16) + 16)); \
             float* acc = (float*)malloc(sizeof(float) * (size_t)D);                           \
-            _Pragma("omp for schedule(dynamic)") for (int task = 0; task < S * hkv; task++) {  \
-                const int s = task / hkv, hk = task % hkv, len = seq_lens[s];                 \
+            _Pragma("omp for schedule(dynamic)") for (int task = 0; task < ntasks; task++) {   \
+                const int s = per_seq ? task : task / hkv, hk = per_seq ? 0 : task % hkv;     \
+                const int len = seq_lens[s];                                                  \
                 const int32_t* table = bt + (int64_t)s * bt_s;                                \
                 if (len <= 0) continue;                                                       \
-                if (!(fast && FAST_CALL(SFX)))                                                \
+                if (per_seq) {                                                                \
+                    SEQ_CALL(SFX);                                                            \
+                } else if (!(fast && FAST_CALL(SFX))) {                                       \
                     decode_task_portable_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s,   \
                                                table, len, s, hk, H, G, D, block_size, scale, \
                                                out, scores, acc);                             \
+                }                                                                             \
             }                                                                                 \
             free(acc);                                                                        \
+            free(work);                                                                       \
             free(scores);                                                                     \
         }                                                                                     \
     }
@@ -313,8 +465,12 @@ DEFINE_DISPATCH(bf16, uint16_t)
 #define FAST_CALL(SFX)                                                                         \
     decode_task_fast_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s, hk, H,  \
                            G, C, block_size, scale, out, scores, stride_g)
+#define SEQ_CALL(SFX)                                                                          \
+    decode_seq_fast_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s, H, hkv,  \
+                          G, C, block_size, scale, out, scores, stride_g, work)
 #else
 #define FAST_CALL(SFX) 0
+#define SEQ_CALL(SFX) ((void)0)
 #endif
 
 DEFINE_DECODE(f32, float)

@@ -60,6 +60,25 @@ def test_decode_matches_the_reference(dtype, hkv, group, d, block_size, head_maj
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv,group,d", [(3, 3, 64), (2, 4, 32), (1, 8, 128), (2, 2, 24)])
+def test_decode_of_a_large_batch_matches_the_reference(dtype, hkv, group, d):
+    """Enough sequences that each thread takes whole sequences (every head of one)."""
+    gen = torch.Generator().manual_seed(hkv + group + d)
+    lens = [1 + (37 * i) % 150 for i in range(24)] + [0, 300]
+    kc, vc = _caches(160, 16, hkv, d, dtype, True, gen)
+    tables, seq_lens = _batch(160, 16, [max(n, 1) for n in lens], gen)
+    seq_lens[lens.index(0)] = 0
+    q = torch.randn(len(lens), hkv * group, d, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(d)
+    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
+    live = seq_lens > 0
+    want = ref.paged_decode_attention(q[live], kc, vc, tables[live], seq_lens[live], scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[live], want, atol=tol, rtol=tol)
+    assert torch.equal(got[~live], torch.zeros_like(got[~live]))
+
+
 def test_decode_reads_a_strided_query_and_skips_empty_rows():
     gen = torch.Generator().manual_seed(7)
     kc, vc = _caches(16, 16, 2, 64, torch.float32, True, gen)
