@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from kernels import sample_cpu
 from services.common.config import EngineArgs
 from services.common.model import ModelConfig
 from services.engine.attention import AttentionMetadata, get_attention_backend
@@ -113,6 +114,8 @@ class ModelRunner:
             for i in range(model_config.num_layers)
         ]
         self.sampler = Sampler(args.seed)
+        if device.type == "cpu":
+            sample_cpu.available()  # builds greedy's argmax kernel before the first step
         # Speculative decoding's acceptance rule (``spec_decode``); the engine sets it.
         self.acceptance_rule = default_rule
         use_graphs = device.type == "cuda" and not args.enforce_eager

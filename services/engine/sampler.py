@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.sample_cpu import argmax
 from services.common.sampling import TokenLogprobs
 from services.engine.outputs import RequestError
 from services.engine.sequence import Sequence
@@ -95,7 +96,7 @@ class Sampler:
                 self.fault(s)
         raw = logits.float()
         penalized = apply_penalties(raw, seqs)
-        tokens = penalized.argmax(dim=-1)
+        tokens = argmax(penalized)
         # argmax picks a NaN when there is one: the value at the pick tells a bad row.
         ok = ~penalized.gather(1, tokens[:, None])[:, 0].isnan()
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -103,7 +104,7 @@ class Sampler:
             rows = torch.tensor(sampled, device=raw.device)
             probs = filtered_probs(penalized[rows], [seqs[i] for i in sampled])
             noise = self._noise(probs, [seqs[i] for i in sampled], [offsets[i] for i in sampled])
-            picks = (probs / noise).argmax(dim=-1)
+            picks = argmax(probs / noise)
             tokens = tokens.index_copy(0, rows, picks)
             # NaN or all-zero probabilities: the pick's probability is not > 0.
             ok = ok.index_copy(0, rows, probs.gather(1, picks[:, None])[:, 0] > 0)

@@ -1,0 +1,74 @@
+"""The C row argmax of greedy sampling against ``torch.argmax``: the same index on ties,
+NaNs, infinities, signed zeros, every tail length and strided rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import sample_cpu
+
+pytestmark = pytest.mark.skipif(not sample_cpu.available(), reason="no AVX-512 argmax here")
+
+
+def _check(x: torch.Tensor) -> None:
+    assert torch.equal(sample_cpu.argmax(x), x.argmax(dim=-1)), x
+
+
+@pytest.mark.parametrize("n", [1, 7, 15, 16, 17, 31, 32, 33, 100, 49152, 49155])
+def test_random_rows_of_every_tail_length(n):
+    gen = torch.Generator().manual_seed(n)
+    _check(torch.randn(9, n, generator=gen))
+
+
+def test_ties_give_the_first_index():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 200, generator=gen)
+    # the max twice, in one lane and across lanes, and in the tail
+    x[0, [5, 21]] = 9.0
+    x[1, [3, 4, 199]] = 9.0
+    x[2, [190, 199]] = 9.0
+    x[3, :] = 1.0
+    x[4:] = -x[4:].abs() - 1.0
+    x[4, 10], x[4, 40] = 0.0, -0.0  # -0 == +0: the first wins either way
+    x[5, 10], x[5, 40] = -0.0, 0.0
+    _check(x)
+    assert sample_cpu.argmax(x).tolist() == [5, 3, 190, 0, 10, 10]
+
+
+def test_nan_rows_give_their_first_nan():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 70, generator=gen)
+    x[0, 3] = float("nan")
+    x[1, [69, 20]] = float("nan")
+    x[2, 0] = float("nan")
+    x[2, 5] = float("inf")
+    x[3, :] = float("nan")
+    x[4, 66] = float("nan")  # in the tail
+    _check(x)
+    assert sample_cpu.argmax(x).tolist() == [3, 20, 0, 0, 66]
+
+
+def test_infinities():
+    x = torch.full((4, 40), float("-inf"))
+    x[1, 33] = 0.0
+    x[2, [7, 30]] = float("inf")
+    x[3, 39] = float("-1e30")
+    _check(x)
+    assert sample_cpu.argmax(x).tolist() == [0, 33, 7, 39]
+
+
+def test_strided_rows_and_one_row():
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(8, 300, generator=gen)
+    _check(wide[:, :250])
+    _check(wide[::3, 10:])
+    _check(wide[:1])
+
+
+def test_other_dtypes_and_layouts_fall_back_to_torch():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 50, generator=gen)
+    _check(x.to(torch.bfloat16))
+    _check(x.t())
+    _check(x.double())
