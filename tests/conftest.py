@@ -9,6 +9,12 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite's processes (two xdist workers, the servers the tests start) share the
+# machine's cores, each with its own OpenMP pool: threads that spin between parallel
+# regions take the cores another process's pool waits for. Two eager engines side by
+# side on 2 cores ran 155 s each with libgomp's default wait, 20 s with a passive one.
+# libgomp reads this when torch loads it, so it is set before anything imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _no_cuda() -> bool:
