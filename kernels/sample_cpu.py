@@ -34,14 +34,13 @@ def available() -> bool:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """[M, N] -> [M] int64, as ``x.argmax(dim=-1)``."""
-    kern = _kernel()
     if (
-        kern is None
-        or x.device.type != "cpu"
+        x.device.type != "cpu"
         or x.dtype != torch.float32
         or x.dim() != 2
         or not 0 < x.shape[1] < 2**31
         or x.stride(1) != 1
+        or (kern := _kernel()) is None
     ):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
