@@ -5,8 +5,10 @@
  * weights once; oneDNN's small-M path reads them well below the memory bandwidth here.
  * This kernel streams a weight packed once into AMX's B-tile layout ([N/16][K/32] tiles
  * of 16 k-pairs x 16 columns x 2) and keeps a 32-column panel in L2 while it walks the
- * rows 32 at a time. Needs K % 32 == 0 and N % 32 == 0; fp32 accumulation, bf16 output
- * rounded to nearest even. On CPUs without AMX the entry points report so and do nothing.
+ * rows 32 at a time; a larger batch (a prefill chunk) goes by blocks of rows that fit in
+ * L2, each block passing over every panel. Needs K % 32 == 0 and N % 32 == 0; fp32
+ * accumulation, bf16 output rounded to nearest even. On CPUs without AMX the entry points
+ * report so and do nothing.
  */
 #include <stdint.h>
 #include <string.h>
@@ -64,54 +66,64 @@ static inline void store_rows(const float* acc, const uint16_t* bias, uint16_t* 
     }
 }
 
-/* y[M, N] = x[M, K] @ W^T + bias. Each thread takes a range of 32-column panels; for each panel
- * it walks the rows 32 at a time (the panel's weights, K x 32, stay in L2 across row chunks). */
+#ifndef A_BLOCK_BYTES
+#define A_BLOCK_BYTES (512 * 1024)
+#endif
+
+/* y[M, N] = x[M, K] @ W^T + bias. Each thread takes a range of 32-column panels; for each block
+ * of RB rows and each panel it walks the rows 32 at a time (the panel's weights, K x 32, stay
+ * in L2 across row chunks, and the block of x across panels). */
 void pd_amx_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int M, int N, int K, int nthreads) {
     const int KB = K / 32, NP = N / 32;
+    /* Rows per block: a block of x (RB x K) stays in L2 while every panel passes over it. */
+    const int RB = K * 2 * 32 > A_BLOCK_BYTES ? 32 : A_BLOCK_BYTES / (K * 2) / 32 * 32;
     #pragma omp parallel num_threads(nthreads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = NP * t / nt, p1 = NP * (t + 1) / nt;
         float acc[4][256] __attribute__((aligned(64)));
         int cur0 = -1, cur1 = -1;
-        for (int p = p0; p < p1; p++) {
-            const uint16_t* b0 = wp + (size_t)(2 * p) * KB * 512;
-            const uint16_t* b1 = b0 + (size_t)KB * 512;
-            for (int r0 = 0; r0 < M; r0 += 32) {
-                const int m0 = M - r0 < 16 ? M - r0 : 16;
-                const int m1 = M - r0 - 16 <= 0 ? 0 : (M - r0 - 16 < 16 ? M - r0 - 16 : 16);
-                if (m0 != cur0 || m1 != cur1) { config(m0, m1); cur0 = m0; cur1 = m1; }
-                const uint16_t* a0 = x + (size_t)r0 * K;
-                const uint16_t* a1 = a0 + (size_t)16 * K;
-                _tile_zero(0); _tile_zero(1);
-                if (m1) {
-                    _tile_zero(2); _tile_zero(3);
-                    for (int kb = 0; kb < KB; kb++) {
-                        _tile_loadd(4, a0 + kb * 32, K * 2);
-                        _tile_loadd(6, b0 + (size_t)kb * 512, 64);
-                        _tile_loadd(7, b1 + (size_t)kb * 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_loadd(5, a1 + kb * 32, K * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+        for (int rb = 0; rb < M; rb += RB) {
+            const int rb_end = M - rb < RB ? M : rb + RB;
+            for (int p = p0; p < p1; p++) {
+                const uint16_t* b0 = wp + (size_t)(2 * p) * KB * 512;
+                const uint16_t* b1 = b0 + (size_t)KB * 512;
+                for (int r0 = rb; r0 < rb_end; r0 += 32) {
+                    const int m0 = M - r0 < 16 ? M - r0 : 16;
+                    const int m1 = M - r0 - 16 <= 0 ? 0 : (M - r0 - 16 < 16 ? M - r0 - 16 : 16);
+                    if (m0 != cur0 || m1 != cur1) { config(m0, m1); cur0 = m0; cur1 = m1; }
+                    const uint16_t* a0 = x + (size_t)r0 * K;
+                    const uint16_t* a1 = a0 + (size_t)16 * K;
+                    _tile_zero(0); _tile_zero(1);
+                    if (m1) {
+                        _tile_zero(2); _tile_zero(3);
+                        for (int kb = 0; kb < KB; kb++) {
+                            _tile_loadd(4, a0 + kb * 32, K * 2);
+                            _tile_loadd(6, b0 + (size_t)kb * 512, 64);
+                            _tile_loadd(7, b1 + (size_t)kb * 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_loadd(5, a1 + kb * 32, K * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    } else {
+                        for (int kb = 0; kb < KB; kb++) {
+                            _tile_loadd(4, a0 + kb * 32, K * 2);
+                            _tile_loadd(6, b0 + (size_t)kb * 512, 64);
+                            _tile_loadd(7, b1 + (size_t)kb * 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
                     }
-                } else {
-                    for (int kb = 0; kb < KB; kb++) {
-                        _tile_loadd(4, a0 + kb * 32, K * 2);
-                        _tile_loadd(6, b0 + (size_t)kb * 512, 64);
-                        _tile_loadd(7, b1 + (size_t)kb * 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
+                    _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
+                    store_rows(acc[0], bias, y + (size_t)r0 * N, m0, N, 32 * p);
+                    store_rows(acc[1], bias, y + (size_t)r0 * N, m0, N, 32 * p + 16);
+                    if (m1) {
+                        _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+                        store_rows(acc[2], bias, y + (size_t)(r0 + 16) * N, m1, N, 32 * p);
+                        store_rows(acc[3], bias, y + (size_t)(r0 + 16) * N, m1, N, 32 * p + 16);
                     }
-                }
-                _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
-                store_rows(acc[0], bias, y + (size_t)r0 * N, m0, N, 32 * p);
-                store_rows(acc[1], bias, y + (size_t)r0 * N, m0, N, 32 * p + 16);
-                if (m1) {
-                    _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
-                    store_rows(acc[2], bias, y + (size_t)(r0 + 16) * N, m1, N, 32 * p);
-                    store_rows(acc[3], bias, y + (size_t)(r0 + 16) * N, m1, N, 32 * p + 16);
                 }
             }
         }

@@ -17,7 +17,7 @@ from services.engine.model.cpu_linear import (
 )
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN")
-ROWS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 200]
+ROWS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 200, 1024, 1025]
 
 
 @pytest.mark.parametrize("bias", [False, True])

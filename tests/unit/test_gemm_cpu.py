@@ -17,7 +17,8 @@ def test_every_row_count_matches_matmul(n, k, bias):
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     packed = gemm_cpu.pack(w)
-    for m in [1, 2, 15, 16, 17, 31, 32, 33, 64, 100]:
+    # 160 and 448 rows are a block of x at k = 1536 and 576: the row blocks and their tails
+    for m in [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 160, 161, 449, 1000]:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         want = x.float() @ w.float().T + (b.float() if bias else 0)
         got = gemm_cpu.linear(x, packed, b, n)

@@ -5,8 +5,10 @@ fast kernels read, packed once at start:
 
 - oneDNN's blocked layout for this CPU (AMX tiles, AVX-512 or AVX2), for every row count;
 - for bfloat16 on CPUs with AMX, also the AMX kernel's tile layout (``kernels.gemm_cpu``),
-  used up to ``AMX_MAX_ROWS`` rows, where a linear is bound by reading its weights and
-  oneDNN's small-batch path reads them well below the memory bandwidth.
+  used up to ``AMX_MAX_ROWS`` rows: at decode sizes a linear is bound by reading its
+  weights and oneDNN's small-batch path reads them well below the memory bandwidth; at
+  prefill chunk sizes the kernel splits the columns evenly over the threads, where
+  oneDNN's split leaves one thread waiting for the other.
 
 The plain weight is dropped. The model calls its linears through an opaque op, so that a
 compiled model does not look inside: the C++ ``pdserve_cpu::linear`` where it builds (it
@@ -22,9 +24,10 @@ from kernels import gemm_cpu
 from services.engine.model import ops
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Decode batches up to this many rows take the AMX kernel (measured: 1.3-1.6x faster than
-# oneDNN at 1-32 rows on SmolLM2's layers, slower from 64 rows on).
-AMX_MAX_ROWS = 32
+# Up to this many rows a bf16 linear takes the AMX kernel. Measured on SmolLM2's layers
+# (2 threads): 1.3-1.9x oneDNN's speed at 1-32 rows, about equal from 128 to 1024 rows
+# (and faster within a step, see above), slower from 2048 rows on.
+AMX_MAX_ROWS = 1024
 
 
 def packing_available() -> bool:
