@@ -3,12 +3,14 @@
 
 Decode attention reads each sequence's K/V from the paged cache in place (no gather) and
 the KV write skips negative slots (padding rows of a bucketed batch); prefill keeps the
-reference's gather + SDPA, whose cost is small beside a prefill chunk's GEMMs. The C code
-runs without the GIL (ctypes releases it) on torch's OpenMP threads.
+reference's gather + SDPA, with the step's index tensors and mask (``PrefillPlan``) made
+once for all layers rather than once per layer. The C code runs without the GIL (ctypes
+releases it) on torch's OpenMP threads.
 """
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 
 import torch
@@ -24,7 +26,29 @@ __all__ = [
     "write_kv",
 ]
 
-paged_prefill_attention = attention_ref.paged_prefill_attention
+_plans = threading.local()  # the last step's PrefillPlan, per engine thread
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """``attention_ref.paged_prefill_attention``; a step's layers pass the same metadata
+    tensors, so the plan made at the first layer serves the others."""
+    step = (query.shape[0], key_cache, block_tables, seq_lens, query_start_loc)
+    plan = getattr(_plans, "last", None)
+    if plan is None or not plan.matches(*step, max_query_len, max_seq_len):
+        plan = attention_ref.PrefillPlan(*step, max_query_len, max_seq_len)
+        _plans.last = plan
+    return plan.attend(query, key_cache, value_cache, scale)
+
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 

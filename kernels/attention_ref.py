@@ -36,40 +36,55 @@ def write_kv(
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_len, head_dim], contiguous.
+class _ContextIndex:
+    """Which cache rows ``_gather_context`` copies for a set of block tables, computed once
+    and reusable for every layer's cache of the same shape and strides."""
 
-    When each head's [block_size, head_dim] slab of a block is contiguous and heads are
-    evenly spaced (the engine's head-major layout), every (block, head) slab is one row
-    of a strided view over the buffer, and a single index_select copies them straight
-    into attention order. Other layouts take a slower but general path.
-    """
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    num_seqs = block_tables.shape[0]
-    nb = -(-max_len // block_size)
-    tables = block_tables[:, :nb].long()
-    s_block, s_tok, s_head, s_dim = cache.stride()
-    if (
-        s_dim == 1
-        and s_tok == head_dim
-        and s_head >= block_size * head_dim
-        and s_block % s_head == 0
-    ):
-        per_block = s_block // s_head
-        slabs = torch.as_strided(
-            cache,
-            ((num_blocks - 1) * per_block + num_kv_heads, block_size, head_dim),
-            (s_head, s_tok, 1),
+    def __init__(self, cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> None:
+        num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+        self.shape, self.strides = tuple(cache.shape), cache.stride()
+        self.num_seqs = block_tables.shape[0]
+        self.max_len = max_len
+        self.nb = -(-max_len // block_size)
+        tables = block_tables[:, : self.nb].long()
+        s_block, s_tok, s_head, s_dim = self.strides
+        # When each head's [block_size, head_dim] slab of a block is contiguous and heads
+        # are evenly spaced (the engine's head-major layout), every (block, head) slab is
+        # one row of a strided view over the buffer, and one index_select copies them
+        # straight into attention order. Other layouts take a slower but general path.
+        self.slabs = (
+            s_dim == 1
+            and s_tok == head_dim
+            and s_head >= block_size * head_dim
+            and s_block % s_head == 0
         )
-        heads = torch.arange(num_kv_heads, device=cache.device)
-        rows = (tables[:, None, :] * per_block + heads[None, :, None]).reshape(-1)
-        out = slabs.index_select(0, rows).view(num_seqs, num_kv_heads, nb * block_size, head_dim)
-    else:
-        out = cache.index_select(0, tables.reshape(-1)).view(
-            num_seqs, nb, block_size, num_kv_heads, head_dim
-        )
-        out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, num_kv_heads, nb * block_size, head_dim)
-    return out[:, :, :max_len]
+        if self.slabs:
+            self.per_block = s_block // s_head
+            heads = torch.arange(num_kv_heads, device=cache.device)
+            self.rows = (tables[:, None, :] * self.per_block + heads[None, :, None]).reshape(-1)
+        else:
+            self.rows = tables.reshape(-1)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """[num_seqs, num_kv_heads, max_len, head_dim] of ``cache``, contiguous."""
+        num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+        s, nb = self.num_seqs, self.nb
+        if self.slabs:
+            slabs = torch.as_strided(
+                cache,
+                ((num_blocks - 1) * self.per_block + num_kv_heads, block_size, head_dim),
+                (self.strides[2], self.strides[1], 1),
+            )
+            out = slabs.index_select(0, self.rows).view(s, num_kv_heads, nb * block_size, head_dim)
+        else:
+            out = cache.index_select(0, self.rows).view(s, nb, block_size, num_kv_heads, head_dim)
+            out = out.permute(0, 3, 1, 2, 4).reshape(s, num_kv_heads, nb * block_size, head_dim)
+        return out[:, :, : self.max_len]
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_len, head_dim], contiguous."""
+    return _ContextIndex(cache, block_tables, max_len).gather(cache)
 
 
 def paged_decode_attention(
@@ -104,6 +119,89 @@ def paged_decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
+class PrefillPlan:
+    """What every layer of a step shares in ``paged_prefill_attention``: the padded query
+    rows, the mask and the cache rows to gather (``plan.matches`` says whether a plan
+    still describes a call)."""
+
+    def __init__(
+        self,
+        num_tokens: int,
+        key_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+    ) -> None:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if max_query_len is None:
+            max_query_len = int(q_lens.max())
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        self.inputs = (num_tokens, block_tables, seq_lens, query_start_loc)
+        self.limits = (max_query_len, max_seq_len)
+        device = key_cache.device
+        # Pad the packed queries to [S, max_q]; row j of seq i is its token at position
+        # seq_len - q_len + j.
+        row = torch.arange(max_query_len, device=device)
+        valid_q = row[None, :] < q_lens[:, None]  # [S, Q]
+        src = (query_start_loc[:-1, None] + row[None, :]).clamp(max=max(num_tokens - 1, 0))
+        self.q_shape = tuple(src.shape)
+        self.src = src.reshape(-1)
+        q_pos = (seq_lens - q_lens)[:, None] + row[None, :]  # [S, Q]
+        kv_pos = torch.arange(max_seq_len, device=device)
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
+            kv_pos[None, None, :] < seq_lens[:, None, None]
+        )  # [S, Q, T]
+        # Padded query rows would see nothing; let them see position 0 to avoid NaN.
+        mask[:, :, 0] |= ~valid_q
+        self.mask = mask[:, None]
+        # The real rows of the padded [S * Q] output, in packed order.
+        self.out_rows = valid_q.reshape(-1).nonzero().squeeze(1)
+        self.context = _ContextIndex(key_cache, block_tables, max_seq_len)
+
+    def matches(
+        self,
+        num_tokens: int,
+        key_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_query_len: int | None,
+        max_seq_len: int | None,
+    ) -> bool:
+        """Whether this plan was made for these very step tensors and a cache like this."""
+        n, bt, sl, qsl = self.inputs
+        return (
+            n == num_tokens
+            and bt is block_tables
+            and sl is seq_lens
+            and qsl is query_start_loc
+            and max_query_len in (None, self.limits[0])
+            and max_seq_len in (None, self.limits[1])
+            and tuple(key_cache.shape) == self.context.shape
+            and key_cache.stride() == self.context.strides
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        q = query.index_select(0, self.src).view(*self.q_shape, num_heads, head_dim)  # [S, Q, H, D]
+        k = self.context.gather(key_cache)
+        v = self.context.gather(value_cache)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=self.mask, scale=scale, enable_gqa=True
+        )  # [S, H, Q, D]
+        out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [S * Q, H, D]
+        return out.index_select(0, self.out_rows)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -127,29 +225,13 @@ def paged_prefill_attention(
     query_start_loc: [num_seqs + 1] int, cumulative query lengths starting at 0
     Returns [num_tokens, num_heads, head_dim].
     """
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if max_query_len is None:
-        max_query_len = int(q_lens.max())
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
-    num_tokens, num_heads, head_dim = query.shape
-    # Pad the packed queries to [S, max_q, H, D]; row j of seq i is its token at
-    # position seq_len - q_len + j.
-    row = torch.arange(max_query_len, device=query.device)
-    valid_q = row[None, :] < q_lens[:, None]  # [S, Q]
-    src = (query_start_loc[:-1, None] + row[None, :]).clamp(max=max(num_tokens - 1, 0))
-    q = query[src]  # [S, Q, H, D]
-    q_pos = (seq_lens - q_lens)[:, None] + row[None, :]  # [S, Q]
-    k = _gather_context(key_cache, block_tables, max_seq_len)
-    v = _gather_context(value_cache, block_tables, max_seq_len)
-    kv_pos = torch.arange(max_seq_len, device=query.device)
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
-        kv_pos[None, None, :] < seq_lens[:, None, None]
-    )  # [S, Q, T]
-    # Padded query rows would see nothing; let them see position 0 to avoid NaN.
-    mask[:, :, 0] |= ~valid_q
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
-    )  # [S, H, Q, D]
-    out = out.transpose(1, 2)  # [S, Q, H, D]
-    return out[valid_q].reshape(num_tokens, num_heads, head_dim)
+    plan = PrefillPlan(
+        query.shape[0],
+        key_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        max_seq_len,
+    )
+    return plan.attend(query, key_cache, value_cache, scale)

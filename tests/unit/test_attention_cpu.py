@@ -110,3 +110,22 @@ def test_write_kv_fills_slots_and_skips_padding(dtype):
     untouched[[0, 37, 90]] = False
     assert torch.equal(kc.reshape(-1, 2, 64)[untouched], before_k.reshape(-1, 2, 64)[untouched])
     assert torch.equal(vc.reshape(-1, 2, 64)[untouched], before_v.reshape(-1, 2, 64)[untouched])
+
+
+def test_prefill_plans_once_per_step_and_anew_for_the_next():
+    gen = torch.Generator().manual_seed(7)
+    layers = [_caches(24, 16, 3, 64, torch.float32, True, gen) for _ in range(3)]
+    plans = []
+    for lens, q_lens in [([20, 7, 33], [20, 3, 17]), ([5, 40], [5, 1]), ([5, 40], [5, 2])]:
+        bt, seq_lens = _batch(24, 16, lens, gen)
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        step = []
+        for kc, vc in layers:  # one step: every layer passes the same metadata tensors
+            q = torch.randn(sum(q_lens), 9, 64, generator=gen)
+            got = cpu.paged_prefill_attention(q, kc, vc, bt, seq_lens, qsl, 0.125)
+            want = ref.paged_prefill_attention(q, kc, vc, bt, seq_lens, qsl, 0.125)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            step.append(cpu._plans.last)
+        assert all(p is step[0] for p in step)
+        plans.append(step[0])
+    assert len({id(p) for p in plans}) == len(plans)  # each step its own plan
