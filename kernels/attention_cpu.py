@@ -42,10 +42,10 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """``attention_ref.paged_prefill_attention``; a step's layers pass the same metadata
     tensors, so the plan made at the first layer serves the others."""
-    step = (query.shape[0], key_cache, block_tables, seq_lens, query_start_loc)
+    step = (block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len)
     plan = getattr(_plans, "last", None)
-    if plan is None or not plan.matches(*step, max_query_len, max_seq_len):
-        plan = attention_ref.PrefillPlan(*step, max_query_len, max_seq_len)
+    if plan is None or not plan.matches(query.shape[0], *step):
+        plan = attention_ref.PrefillPlan(query.shape[0], key_cache, *step)
         _plans.last = plan
     return plan.attend(query, key_cache, value_cache, scale)
 

@@ -38,11 +38,13 @@ def write_kv(
 
 class _ContextIndex:
     """Which cache rows ``_gather_context`` copies for a set of block tables, computed once
-    and reusable for every layer's cache of the same shape and strides."""
+    and reused for every layer's cache of the same shape and strides (a cache laid out
+    otherwise gets its own rows)."""
 
     def __init__(self, cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> None:
         num_blocks, block_size, num_kv_heads, head_dim = cache.shape
         self.shape, self.strides = tuple(cache.shape), cache.stride()
+        self.block_tables = block_tables
         self.num_seqs = block_tables.shape[0]
         self.max_len = max_len
         self.nb = -(-max_len // block_size)
@@ -67,6 +69,8 @@ class _ContextIndex:
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
         """[num_seqs, num_kv_heads, max_len, head_dim] of ``cache``, contiguous."""
+        if tuple(cache.shape) != self.shape or cache.stride() != self.strides:
+            return _ContextIndex(cache, self.block_tables, self.max_len).gather(cache)
         num_blocks, block_size, num_kv_heads, head_dim = cache.shape
         s, nb = self.num_seqs, self.nb
         if self.slabs:
@@ -164,14 +168,13 @@ class PrefillPlan:
     def matches(
         self,
         num_tokens: int,
-        key_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         max_query_len: int | None,
         max_seq_len: int | None,
     ) -> bool:
-        """Whether this plan was made for these very step tensors and a cache like this."""
+        """Whether this plan was made for these very step tensors."""
         n, bt, sl, qsl = self.inputs
         return (
             n == num_tokens
@@ -180,8 +183,6 @@ class PrefillPlan:
             and qsl is query_start_loc
             and max_query_len in (None, self.limits[0])
             and max_seq_len in (None, self.limits[1])
-            and tuple(key_cache.shape) == self.context.shape
-            and key_cache.stride() == self.context.strides
         )
 
     def attend(

@@ -77,3 +77,20 @@ def test_write_kv_fills_the_slots(head_major):
     for i, s in enumerate(slots.tolist()):
         torch.testing.assert_close(kc[s // BS, s % BS], k[i])
         torch.testing.assert_close(vc[s // BS, s % BS], k[i] + 1)
+
+
+def test_prefill_reads_key_and_value_caches_of_different_layouts():
+    gen = torch.Generator().manual_seed(3)
+    kc, _ = _caches(12, True, gen)
+    _, vc = _caches(12, False, gen)
+    bt = torch.tensor([[4, 9, 1], [7, 2, 0]], dtype=torch.int32)
+    seq_lens, q_lens = [10, 6], [4, 6]
+    qsl = torch.tensor([0, 4, 10], dtype=torch.int32)
+    qp = torch.randn(10, H, D, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = ref.paged_prefill_attention(qp, kc, vc, bt, lens, qsl, 1 / math.sqrt(D))
+    for i, (n, m) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        table = bt[i].tolist()
+        k, v = _context(kc, table, n), _context(vc, table, n)
+        want = _dense(qp[qsl[i] : qsl[i + 1]], k, v, torch.arange(n - m, n))
+        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], want, atol=1e-5, rtol=1e-5)
