@@ -31,6 +31,7 @@ from services.common.config import EngineArgs
 from services.common.model import ModelConfig, pdserve_home
 from services.common.sampling import SamplingParams
 from services.engine.model import ops
+from services.engine.model.cpu_linear import packing_available
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 
@@ -59,6 +60,13 @@ class ProbeResult:
 
 def cpu_dtype(args: EngineArgs, cfg: ModelConfig) -> str:
     """The dtype ``--dtype auto`` means for this engine on this CPU (probed once)."""
+    if not packing_available(torch.bfloat16):
+        # No bf16 path in oneDNN here: bf16 linears would be emulated, far slower than fp32.
+        logger.info(
+            "dtype auto: float32 (oneDNN has no bfloat16 path on this CPU: it needs AVX-512 "
+            "or AVX-NE-CONVERT)"
+        )
+        return "float32"
     path = _result_path(args, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:

@@ -82,13 +82,13 @@ class ModelRunner:
         # The C++ CPU ops take the packed linears and the C attention kernels.
         self.cpp_ops = (
             device.type == "cpu"
-            and packing_available()
+            and packing_available(dtype)
             and self.attn.name == "cpu"
             and ops.cpu_ops_error() is None
         )
         self.linears = (
             pack_linears(self.model, self.cpp_ops)
-            if device.type == "cpu" and packing_available()
+            if device.type == "cpu" and packing_available(dtype)
             else []
         )
         for module in self.model.modules():

@@ -17,6 +17,8 @@ from services.engine.model.cpu_linear import (
 )
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN")
+BF16 = torch.bfloat16 if packing_available(torch.bfloat16) else None
+needs_bf16 = pytest.mark.skipif(BF16 is None, reason="oneDNN has no bf16 path on this CPU")
 ROWS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 200, 1024, 1025]
 
 
@@ -33,6 +35,7 @@ def test_float32_matches_f_linear_at_every_row_count(bias):
         )
 
 
+@needs_bf16
 @pytest.mark.parametrize("use_amx", [False, True])
 def test_bfloat16_matches_f_linear_at_every_row_count(use_amx):
     if use_amx and not gemm_cpu.available():
@@ -52,7 +55,8 @@ def test_bfloat16_matches_f_linear_at_every_row_count(use_amx):
 
 
 def test_pack_linears_numbers_them_in_order_and_drops_the_weights():
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32).to(torch.bfloat16))
+    second = nn.Linear(64, 32).to(BF16 or torch.float32)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), second)
     packed = pack_linears(model, cpp_op=False)
     assert [p.index for p in packed] == [0, 1]
     assert packed[0] is model[0] and packed[1] is model[2]
@@ -61,7 +65,17 @@ def test_pack_linears_numbers_them_in_order_and_drops_the_weights():
     assert not hasattr(model[0], "weight")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_of_a_dtype_onednn_cannot_pack_stay_plain(monkeypatch):
+    from services.engine.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "packing_available", lambda dtype: dtype == torch.float32)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32).to(torch.bfloat16))
+    packed = pack_linears(model, cpp_op=False)
+    assert [p.in_features for p in packed] == [32]
+    assert isinstance(model[1], nn.Linear) and model[1].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(BF16, marks=needs_bf16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_cpp_op_computes_what_the_python_op_does(dtype, bias):
     """``pdserve_cpu::linear`` takes the packed weights as inputs and runs the same kernels

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from services.common.config import EngineArgs
 from services.common.model import ModelConfig
@@ -13,6 +14,8 @@ from services.engine import dtype_probe
 
 def test_the_probe_times_both_dtypes_and_keeps_its_answer(tiny_llama_path, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    # Probed even where oneDNN has no bf16 path (the bf16 runner then runs unpacked).
+    monkeypatch.setattr(dtype_probe, "packing_available", lambda dtype: True)
     args = EngineArgs(model=str(tiny_llama_path), enforce_eager=True)
     cfg = ModelConfig.from_dir(tiny_llama_path)
     chosen = dtype_probe.cpu_dtype(args, cfg)
@@ -32,6 +35,19 @@ def test_the_probe_times_both_dtypes_and_keeps_its_answer(tiny_llama_path, tmp_p
     # Another step mode is another measurement.
     with pytest.raises(AssertionError, match="probed again"):
         dtype_probe.cpu_dtype(EngineArgs(model=str(tiny_llama_path)), cfg)
+
+
+def test_no_bf16_path_means_float32_without_a_probe(tiny_llama_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(dtype_probe, "packing_available", lambda dtype: dtype != torch.bfloat16)
+
+    def no_probe(*_):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(dtype_probe, "probe", no_probe)
+    args = EngineArgs(model=str(tiny_llama_path), enforce_eager=True)
+    assert dtype_probe.cpu_dtype(args, ModelConfig.from_dir(tiny_llama_path)) == "float32"
+    assert not (tmp_path / "probes").exists()
 
 
 def test_the_faster_dtype_wins_in_geometric_mean(monkeypatch, tiny_llama_path):

@@ -30,10 +30,16 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 AMX_MAX_ROWS = 1024
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    )
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs ``dtype`` linears on this CPU: bf16 needs AVX-512 (BW, VL, DQ),
+    AVX-NE-CONVERT or AMX; without them torch computes bf16 linears unpacked."""
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and dtype in PACKED_DTYPES
+    ):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
@@ -82,8 +88,8 @@ def pack_linears(model: nn.Module, cpp_op: bool) -> list[PackedLinear]:
         for name, child in list(module.named_children()):
             if (
                 isinstance(child, nn.Linear)
-                and child.weight.dtype in PACKED_DTYPES
                 and child.weight.device.type == "cpu"
+                and packing_available(child.weight.dtype)
             ):
                 linear = PackedLinear(child, len(packed), use_amx, cpp_op)
                 setattr(module, name, linear)
