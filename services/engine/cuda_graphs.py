@@ -57,7 +57,8 @@ class CudaGraphRunner:
             step = inputs.prepare([], [], pad_decode_to=b)
             meta = step.meta
             meta.decode_max_seq_len = 0  # kernels plan for the longest context the table holds
-            with forward_context(context(meta)):
+            # Inference mode as in ``execute``: no autograd state is recorded into the graph.
+            with torch.inference_mode(), forward_context(context(meta)):
                 model(inputs.input_ids[:b], inputs.positions[:b])  # warm up: compile kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 # The most positions rotary tables cover beyond --max-model-len (a 16k-position table of
 # head_dim 128 takes 16 MiB in float32).
 ROPE_POSITIONS = 16384
+# Attention backends whose kernels a CUDA graph can capture (no reads back to the host).
+GRAPH_BACKENDS = ("triton",)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -119,6 +121,11 @@ class ModelRunner:
         # Speculative decoding's acceptance rule (``spec_decode``); the engine sets it.
         self.acceptance_rule = default_rule
         use_graphs = device.type == "cuda" and not args.enforce_eager
+        if use_graphs and self.attn.name not in GRAPH_BACKENDS:
+            # The torch reference reads values back to the host (a mask's any(), lengths),
+            # which a stream being captured does not allow.
+            logger.info("attention backend %s: decode steps run eagerly", self.attn.name)
+            use_graphs = False
         self.buckets = decode_buckets(args.max_num_seqs) if use_graphs else []
         self.inputs = StepInputs(
             max_tokens=max(args.max_num_batched_tokens, args.max_num_seqs) + 2,

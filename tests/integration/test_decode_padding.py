@@ -30,6 +30,7 @@ def test_a_padded_decode_step_equals_the_unpadded_one(tiny_llama_path, backend):
     llm = LLM(
         model=str(tiny_llama_path),
         dtype="float32",
+        device="cpu",  # also on a CUDA machine: this is the CPU's bucketed step
         num_kv_blocks=64,
         attention_backend=backend,
         enforce_eager=True,

@@ -53,7 +53,11 @@ def test_matches_transformers(case, engine_args, enforce_eager):
         enforce_eager=enforce_eager,
         **engine_args,
     )
-    assert (llm.engine.runner.mode == "eager") == enforce_eager
+    # On CUDA the torch reference attention runs eagerly: a graph cannot capture it.
+    graph_less = (
+        llm.engine.device.type == "cuda" and engine_args.get("attention_backend") == "torch"
+    )
+    assert (llm.engine.runner.mode == "eager") == (enforce_eager or graph_less)
     # The C++ ops wherever they build, with the C attention kernels they call.
     cpp = ops.cpu_ops_error() is None and llm.engine.runner.attn.name == "cpu"
     assert llm.engine.runner.cpp_ops == cpp

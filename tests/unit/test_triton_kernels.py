@@ -1,20 +1,23 @@
-"""Triton paged-attention kernels against their torch references, under Triton's interpreter.
+"""Triton paged-attention kernels against their torch references: compiled on a CUDA
+machine, under Triton's interpreter elsewhere (``TRITON_INTERPRET=1`` forces it there too).
 
-TRITON_INTERPRET must be set before triton is first imported in the process. With
-TRITON_INTERPRET=0 on a CUDA machine, the same tests run the compiled kernels on the GPU.
-Shapes are small: the interpreter costs milliseconds per loop iteration per program.
+TRITON_INTERPRET must be set before triton is first imported in the process (tests/conftest.py
+sets it on machines without CUDA). Shapes are small: the interpreter costs milliseconds per
+loop iteration per program.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
