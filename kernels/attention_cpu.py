@@ -10,6 +10,7 @@ releases it) on torch's OpenMP threads.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from functools import cache
 
@@ -23,6 +24,7 @@ __all__ = [
     "build_error",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "vector_path",
     "write_kv",
 ]
 
@@ -60,7 +62,13 @@ def _kernels() -> dict[str, object]:
     for sfx in _SUFFIX.values():
         fns[f"write_kv_{sfx}"] = bind(lib, f"pd_write_kv_{sfx}", "ppllllpplllpiiii")
         fns[f"decode_{sfx}"] = bind(lib, f"pd_decode_attention_{sfx}", "pllpplllplpiiiiifpi")
+    fns["vector_path"] = bind(lib, "pd_vector_path", "", ctypes.c_int)
     return fns
+
+
+def vector_path() -> str:
+    """The decode kernel's vector path on this machine: avx512, avx2 or portable."""
+    return ("portable", "avx2", "avx512")[_kernels()["vector_path"]()]
 
 
 @cache

@@ -13,7 +13,8 @@
  * (every kv head, tile by tile, so that each block's head-major run is read in one pass);
  * with fewer, a task is one (sequence, kv head), so that the threads have work to share.
  * The AVX-512 paths are specialised for the common group sizes and head dims (so that q
- * and the accumulators stay in registers) and give equal results; other shapes and
+ * and the accumulators stay in registers) and give equal results; on CPUs with AVX2 and
+ * FMA but no AVX-512, head dims of 32, 64 and 128 take an 8-lane path; other shapes and
  * other CPUs take the portable loops.
  */
 #include <math.h>
@@ -21,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -103,6 +104,157 @@ DEFINE_WRITE(bf16, uint16_t)
 
 DEFINE_DECODE_PORTABLE(f32, float, ld_f32, st_f32)
 DEFINE_DECODE_PORTABLE(bf16, uint16_t, ld_bf16, st_bf16)
+
+/* ---- decode attention: AVX2 path ---------------------------------------------------------- */
+
+/* CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel): the portable task with
+ * its dot products, softmax and V sums in 8-lane vectors. The portable dot is one long
+ * dependent chain of scalar adds (the compiler may not reorder them); here each dot is two
+ * vector chains and a horizontal sum. D is a multiple of 8, up to 128. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define HAVE_AVX2 1
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t* p) {
+    const __m128i bits = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for x <= 0: exp512's polynomial in 8 lanes, 2^n built in the exponent bits. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+/* The softmax of one head's scores[0..len) in place (exp(s - max)); returns their sum. */
+static inline float softmax8(float* sc, int len) {
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= len; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + t));
+    float mx = -INFINITY;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmx);
+    for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    for (; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= len; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
+        _mm256_storeu_ps(sc + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (t < len) { /* the tail through a padded copy, so that every exp is exp256's */
+        float tail[8];
+        for (int i = 0; i < 8; i++) tail[i] = t + i < len ? sc[t + i] : mx;
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), m));
+        _mm256_storeu_ps(tail, e);
+        for (int i = 0; t + i < len; i++) {
+            sc[t + i] = tail[i];
+            vsum = _mm256_add_ps(vsum, _mm256_setr_ps(tail[i], 0, 0, 0, 0, 0, 0, 0));
+        }
+    }
+    return hsum8(vsum);
+}
+
+/* One (sequence, kv head) task with C = D / 8 vectors per row, C a constant at each call
+ * site (so the V sums stay in registers). qf: G * D floats of scratch. */
+#define DEFINE_DECODE_AVX2(SFX, T, LOAD8, ST)                                                   \
+    static inline __attribute__((always_inline)) void decode_avx2_##SFX(                      \
+        const T* q, int64_t q_ts, int64_t q_hs, const T* kc, const T* vc, int64_t blk_s,      \
+        int64_t tok_s, int64_t head_s, const int32_t* table, int len, int s, int hk, int H,   \
+        int G, const int C, int block_size, float scale, T* out, float* scores,               \
+        int64_t stride_g, float* qf) {                                                        \
+        const int D = 8 * C;                                                                  \
+        for (int g = 0; g < G; g++) {                                                         \
+            const T* qp = q + s * q_ts + (int64_t)(hk * G + g) * q_hs;                        \
+            for (int c = 0; c < C; c++) _mm256_storeu_ps(qf + g * D + 8 * c, LOAD8(qp + 8 * c)); \
+        }                                                                                     \
+        for (int t = 0; t < len; t++) {                                                       \
+            const T* kp = kc + table[t / block_size] * blk_s + (int64_t)(t % block_size) * tok_s + \
+                          hk * head_s;                                                        \
+            for (int g = 0; g < G; g++) {                                                     \
+                const float* qg = qf + g * D;                                                 \
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                    \
+                int c = 0;                                                                    \
+                for (; c + 2 <= C; c += 2) {                                                  \
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), LOAD8(kp + 8 * c), a0);  \
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), LOAD8(kp + 8 * c + 8), a1); \
+                }                                                                             \
+                if (c < C) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), LOAD8(kp + 8 * c), a0); \
+                scores[g * stride_g + t] = hsum8(_mm256_add_ps(a0, a1)) * scale;               \
+            }                                                                                 \
+        }                                                                                     \
+        for (int g = 0; g < G; g++) {                                                         \
+            float* sc = scores + g * stride_g;                                                \
+            const float sum = softmax8(sc, len);                                              \
+            __m256 acc[16];                                                                   \
+            for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();                         \
+            for (int t = 0; t < len; t++) {                                                   \
+                const T* vp = vc + table[t / block_size] * blk_s +                            \
+                              (int64_t)(t % block_size) * tok_s + hk * head_s;                \
+                const __m256 p = _mm256_set1_ps(sc[t]);                                       \
+                for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, LOAD8(vp + 8 * c), acc[c]); \
+            }                                                                                 \
+            T* op = out + ((int64_t)s * H + hk * G + g) * D;                                  \
+            const __m256 vs = _mm256_set1_ps(sum);                                            \
+            float lanes[8];                                                                   \
+            for (int c = 0; c < C; c++) {                                                     \
+                _mm256_storeu_ps(lanes, _mm256_div_ps(acc[c], vs));                           \
+                for (int i = 0; i < 8; i++) ST(op + 8 * c + i, lanes[i]);                     \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    /* 1 when a specialised C took the task, else 0 (the portable loops run it). */          \
+    static int decode_task_avx2_##SFX(const T* q, int64_t q_ts, int64_t q_hs, const T* kc,    \
+                                      const T* vc, int64_t blk_s, int64_t tok_s,              \
+                                      int64_t head_s, const int32_t* table, int len, int s,   \
+                                      int hk, int H, int G, int D, int block_size,            \
+                                      float scale, T* out, float* scores, int64_t stride_g,   \
+                                      float* qf) {                                            \
+        switch (D) {                                                                          \
+            case 64:                                                                          \
+                decode_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s,  \
+                                  hk, H, G, 8, block_size, scale, out, scores, stride_g, qf); \
+                return 1;                                                                     \
+            case 128:                                                                         \
+                decode_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s,  \
+                                  hk, H, G, 16, block_size, scale, out, scores, stride_g, qf); \
+                return 1;                                                                     \
+            case 32:                                                                          \
+                decode_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s,  \
+                                  hk, H, G, 4, block_size, scale, out, scores, stride_g, qf); \
+                return 1;                                                                     \
+        }                                                                                     \
+        return 0;                                                                             \
+    }
+
+DEFINE_DECODE_AVX2(f32, float, load8_f32, st_f32)
+DEFINE_DECODE_AVX2(bf16, uint16_t, load8_bf16, st_bf16)
+#define AVX2_CALL(SFX)                                                                         \
+    decode_task_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s, hk, H,  \
+                           G, D, block_size, scale, out, scores, stride_g, work)
+#else
+#define HAVE_AVX2 0
+#define AVX2_CALL(SFX) 0
+#endif
 
 /* ---- decode attention: AVX-512 path ------------------------------------------------------ */
 
@@ -449,7 +601,7 @@ DEFINE_SEQ_DISPATCH(bf16, uint16_t)
                 if (len <= 0) continue;                                                       \
                 if (per_seq) {                                                                \
                     SEQ_CALL(SFX);                                                            \
-                } else if (!(fast && FAST_CALL(SFX))) {                                       \
+                } else if (!(fast && FAST_CALL(SFX)) && !(HAVE_AVX2 && AVX2_CALL(SFX))) {      \
                     decode_task_portable_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s,   \
                                                table, len, s, hk, H, G, D, block_size, scale, \
                                                out, scores, acc);                             \
@@ -476,5 +628,6 @@ DEFINE_SEQ_DISPATCH(bf16, uint16_t)
 DEFINE_DECODE(f32, float)
 DEFINE_DECODE(bf16, uint16_t)
 
-/* The ISA this object was built for, so that Python can report it. */
-int pd_has_avx512(void) { return HAVE_FAST; }
+/* The vector path this object was built for, so that Python can report it: 2 AVX-512,
+ * 1 AVX2, 0 the portable loops. */
+int pd_vector_path(void) { return HAVE_FAST ? 2 : HAVE_AVX2 ? 1 : 0; }

@@ -1,9 +1,11 @@
 """The CPU C kernels against the torch reference: every group size, head dim and block size
-path (the AVX-512 specialisations and the portable loops), fp32 and bf16, both layouts."""
+path (the AVX-512 specialisations or, on AVX2 CPUs, the 8-lane path, and the portable
+loops), fp32 and bf16, both layouts."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +131,14 @@ def test_prefill_plans_once_per_step_and_anew_for_the_next():
         assert all(p is step[0] for p in step)
         plans.append(step[0])
     assert len({id(p) for p in plans}) == len(plans)  # each step its own plan
+
+
+def test_the_vector_path_is_the_widest_this_cpu_has():
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((ln for ln in lines if ln.startswith("flags")), "").split()
+    if "avx512f" in flags:
+        assert cpu.vector_path() == "avx512"
+    elif "avx2" in flags and "fma" in flags:
+        assert cpu.vector_path() == "avx2"
+    else:
+        assert cpu.vector_path() == "portable"

@@ -1,0 +1,74 @@
+"""Decode attention on the CPU: the C kernel (``kernels.attention_cpu``) against the torch
+reference (gather + SDPA), at SmolLM2-135M's shapes, in the engine's cache layout.
+
+    .venv/bin/python bench/attention_cpu.py [--dtype float32] [--batches 1,16,32]
+                                            [--contexts 256,1024] [--repeats 30]
+
+One layer's call per measurement (9 query heads, 3 KV heads, head dim 64, blocks of 16
+tokens, head-major blocks, shuffled block tables); medians of ``--repeats`` calls after
+a warm-up. Prints which vector path the kernel was built with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.top_p import median_ms  # noqa: E402
+from kernels import attention_cpu, attention_ref  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """(C kernel ms, reference ms) for one layer's decode attention."""
+    gen = torch.Generator().manual_seed(batch * 10_000 + context)
+    per_seq = -(-context // BLOCK)
+    num_blocks = batch * per_seq + 1
+    kv = torch.randn(num_blocks, 2, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
+    key_cache, value_cache = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+    perm = torch.randperm(num_blocks, generator=gen)[: batch * per_seq]
+    tables = perm.view(batch, per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    scale = HEAD_DIM**-0.5
+    args = (query, key_cache, value_cache, tables, lens, scale)
+    got = attention_cpu.paged_decode_attention(*args)  # also the warm-up of each
+    want = attention_ref.paged_decode_attention(*args)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    return (
+        median_ms(lambda: attention_cpu.paged_decode_attention(*args), repeats),
+        median_ms(lambda: attention_ref.paged_decode_attention(*args), repeats),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--batches", default="1,16,32")
+    ap.add_argument("--contexts", default="256,1024")
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args(argv)
+    if not attention_cpu.available():
+        print(f"the C kernels do not build here: {attention_cpu.build_error()}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    print(f"kernel path: {attention_cpu.vector_path()}, {torch.get_num_threads()} threads")
+    print("| batch | context | C kernel ms | torch reference ms | speed-up |")
+    print("|---|---|---|---|---|")
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            c_ms, ref_ms = case(batch, context, dtype, args.repeats)
+            print(f"| {batch} | {context} | {c_ms:.3f} | {ref_ms:.3f} | {ref_ms / c_ms:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
