@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import statistics
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    # The engines' start-up lines: graph capture time and memory, KV blocks.
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
