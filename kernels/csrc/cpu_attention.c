@@ -166,10 +166,11 @@ static inline float softmax8(float* sc, int len) {
         for (int i = 0; i < 8; i++) tail[i] = t + i < len ? sc[t + i] : mx;
         const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), m));
         _mm256_storeu_ps(tail, e);
-        for (int i = 0; t + i < len; i++) {
-            sc[t + i] = tail[i];
-            vsum = _mm256_add_ps(vsum, _mm256_setr_ps(tail[i], 0, 0, 0, 0, 0, 0, 0));
+        for (int i = 0; i < 8; i++) {
+            if (t + i < len) sc[t + i] = tail[i];
+            else tail[i] = 0.f; /* padding lanes add nothing to the sum */
         }
+        vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(tail));
     }
     return hsum8(vsum);
 }
