@@ -8,8 +8,9 @@ time to ready.
   cache the cold start filled (warm); RSS (VmRSS, and VmHWM, its peak) read at READY and
   after 16 requests of 256 -> 64 tokens through the worker's own gRPC API;
 - the same with --enforce-eager, for the memory the compiled step adds;
-- `pdserve up` (Redis, kvstore, a prefill and a decode worker, gateway) with the warm
-  cache: seconds from start to its REST API answering.
+- `pdserve up` (Redis, kvstore, a prefill and a decode worker, gateway): seconds from
+  start to its REST API answering, with an empty compile cache and then with the cache
+  that start filled (warm: every worker's compiled steps cached).
 
 The dtype probe's result and the C kernels are cached before the first timed start (they
 are per machine, not per start), so the cold figure is the compile alone.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import random
@@ -26,11 +28,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.compare import machine  # noqa: E402
 from bench.results_md import replace_section  # noqa: E402
 from services.common.launcher import Launcher, free_port  # noqa: E402
 
@@ -88,11 +92,11 @@ def worker(launcher: Launcher, name: str, env: dict[str, str], extra: list[str])
     }
 
 
-def up_ready_s(launcher: Launcher) -> float:
+def up_ready_s(launcher: Launcher, name: str, env: dict[str, str]) -> float:
     port = free_port()
     started = time.monotonic()
     child = launcher.start(
-        "up", [PY, "-m", "services.cli", "up", "--port", "0", "--http-port", str(port)]
+        name, [PY, "-m", "services.cli", "up", "--port", "0", "--http-port", str(port)], env=env
     )
     url = f"http://127.0.0.1:{port}/v1/models"
     while time.monotonic() - started < 600:
@@ -104,6 +108,11 @@ def up_ready_s(launcher: Launcher) -> float:
     ready = time.monotonic() - started
     launcher.stop([child], 30)
     return round(ready, 1)
+
+
+def torch_version() -> str:
+    """The installed torch's version, without importing it."""
+    return importlib.metadata.version("torch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             "warm compile cache": worker(launcher, "warm", base, []),
             "--enforce-eager": worker(launcher, "eager", base, ["--enforce-eager"]),
         }
-        up = up_ready_s(launcher)
+        # `up` with an empty compile cache (its prefill and decode workers compile side by
+        # side), then again with the cache that run filled.
+        up_cold_cache = tempfile.mkdtemp(prefix="inductor-cold-up-")
+        up_env = {**base, "TORCHINDUCTOR_CACHE_DIR": up_cold_cache}
+        up = {
+            "cold": up_ready_s(launcher, "up-cold", up_env),
+            "warm": up_ready_s(launcher, "up-warm", up_env),
+        }
     finally:
         launcher.stop_all()
     result = {"decode_worker": rows, "up_ready_s": up}
@@ -136,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         "default 1 GiB KV budget), started alone; RSS at READY and after 16 requests of "
         "256 -> 64 tokens (VmRSS; peak: VmHWM).",
         "",
+        f"Machine: {machine()}, torch {torch_version()}, {date.today().isoformat()}.",
+        "",
         "| start | READY s | RSS at READY MiB | RSS after load MiB | peak MiB |",
         "|---|---|---|---|---|",
     ]
@@ -146,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += [
         "",
-        f"`pdserve up` (Redis, kvstore, prefill and decode workers, gateway), warm cache: "
-        f"REST API answering after {up} s.",
+        "`pdserve up` (Redis, kvstore, prefill and decode workers, gateway): REST API "
+        f"answering after {up['cold']} s with an empty compile cache (its two workers "
+        f"compile side by side), {up['warm']} s when started again with the cache that "
+        "run filled.",
         "",
         "Command: `.venv/bin/python bench/worker_footprint.py --write-results`",
     ]
