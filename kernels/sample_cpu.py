@@ -2,8 +2,8 @@
 
 ``argmax(x)`` answers ``x.argmax(dim=-1)`` for ``x: [M, vocab]`` fp32 on the CPU, with
 the same tie and NaN rules (the first index of the largest value; a row with a NaN gives
-its first NaN), at memory speed. Other dtypes, devices and CPUs without AVX-512 take
-torch's.
+its first NaN), at memory speed. Other dtypes, devices and CPUs without AVX-512 or AVX2
+take torch's.
 """
 
 from __future__ import annotations

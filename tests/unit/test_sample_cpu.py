@@ -8,7 +8,7 @@ import torch
 
 from kernels import sample_cpu
 
-pytestmark = pytest.mark.skipif(not sample_cpu.available(), reason="no AVX-512 argmax here")
+pytestmark = pytest.mark.skipif(not sample_cpu.available(), reason="no AVX-512 or AVX2 argmax here")
 
 
 def _check(x: torch.Tensor) -> None:
@@ -72,3 +72,18 @@ def test_other_dtypes_and_layouts_fall_back_to_torch():
     _check(x.to(torch.bfloat16))
     _check(x.t())
     _check(x.double())
+
+
+@pytest.mark.parametrize("n", [3, 45, 203])
+def test_the_tail_past_the_last_full_vector(n):
+    """Values after the last whole vector of 8 or 16: a max there, a tie with a max before
+    it, and the only finite value of a row."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(4, n, generator=gen)
+    x[0, n - 1] = 9.0
+    x[1, [0, n - 1]] = 9.0
+    x[2, :] = float("-inf")
+    x[2, n - 2] = -5.0
+    x[3, :] = float("-inf")
+    _check(x)
+    assert sample_cpu.argmax(x).tolist() == [n - 1, 0, n - 2, 0]
