@@ -80,9 +80,9 @@ static int64_t argmax_row(const float* x, int64_t n) {
     _mm256_storeu_ps(lanes, best);
     _mm256_storeu_si256((__m256i*)where, at);
     float m = -INFINITY;
-    int64_t r = 0; /* every value -inf: the first */
+    int64_t r = 0; /* every value -inf: the first (a lane holding -inf holds index 0) */
     for (int k = 0; k < 8; k++)
-        if (lanes[k] > m || (lanes[k] == m && m != -INFINITY && where[k] < r))
+        if (lanes[k] > m || (lanes[k] == m && where[k] < r))
             m = lanes[k], r = where[k];
     for (; i < n; i++)
         if (x[i] > m) m = x[i], r = i;
