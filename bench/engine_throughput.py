@@ -39,6 +39,18 @@ def make_prompts(n: int, mean_len: int, ratio: float, vocab: int, seed: int) -> 
     return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def build_engine(path: Path, dtype: str, concurrency: int, max_num_batched_tokens: int) -> LLM:
+    """The engine as this benchmark runs it: up to `concurrency` sequences a step."""
+    return LLM(
+        model=str(path),
+        dtype=dtype,
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=1024,
+        kv_cache_memory="2GiB",
+    )
+
+
 def run_engine(llm: LLM, prompts: list[list[int]], out_len: int) -> float:
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -104,14 +116,7 @@ def main() -> int:
 
     path = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
-    llm = LLM(
-        model=str(path),
-        dtype=args.dtype,
-        max_num_seqs=args.concurrency,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=1024,
-        kv_cache_memory="2GiB",
-    )
+    llm = build_engine(path, args.dtype, args.concurrency, args.max_num_batched_tokens)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None
     prompts = make_prompts(
