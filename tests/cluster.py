@@ -53,16 +53,21 @@ class Cluster:
         return self.launcher.start_ready(name, argv, expect, timeout=timeout, env=env)
 
     def start_many(
-        self, *specs: tuple[str, ...], timeout: float = 120.0, env: dict[str, str] | None = None
+        self,
+        *specs: tuple[str, ...],
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        ready: dict[str, tuple[str, ...]] | None = None,
     ) -> list[Child]:
         """``start`` each ``(name, module, *args)`` at once and wait for them all: their
         imports and model loads overlap. A spec may end with a dict: its own environment,
-        added to ``env``. A failure stops those it started."""
+        added to ``env``. ``ready``: more READY lines to wait for, by name. A failure stops
+        those it started."""
         children = []
         try:
             for name, module, *args in specs:
                 own = args.pop() if args and isinstance(args[-1], dict) else {}
-                argv, expect = self._command(module, tuple(args), ())
+                argv, expect = self._command(module, tuple(args), (ready or {}).get(name, ()))
                 children.append(self.launcher.start(name, argv, expect, env={**(env or {}), **own}))
             self.launcher.wait_ready(children, timeout)
         except BaseException:

@@ -193,6 +193,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
                 p50_p99("pdserve:kv_transfer_seconds", M, "direction"),
             ),
             (
+                "Failed transfers / s (their blocks recomputed)",
+                "short",
+                [(rate("pdserve:kv_transfer_failures_total", M, "direction"), "{{direction}}")],
+            ),
+            (
                 "kvstore memory",
                 "percentunit",
                 [

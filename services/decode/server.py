@@ -151,6 +151,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         for address, result in zip(by_address, results, strict=True):
             if isinstance(result, grpc.aio.AioRpcError):
                 self.num_fetch_failures += 1
+                self.metrics.transfer_failed("fetch")
                 logger.warning(
                     "request %s: fetch from kvstore %s failed (%s: %s); recomputing its %d blocks",
                     request_id,

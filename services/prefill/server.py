@@ -110,6 +110,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             addresses = self.kvstores.owners([b.key for b in blocks])
         except LookupError as e:
             logger.warning("request %s: blocks not pushed: %s", request_id, e)
+            self.metrics.transfer_failed("push")
             return [""] * len(blocks)
         with tracing.start_span("prefill.kv_push", parent, kind=tracing.CLIENT) as span:
             began = time.perf_counter()
@@ -139,6 +140,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     }
                 )
         for address, error in failed.items():
+            self.metrics.transfer_failed("push")
             logger.warning(
                 "request %s: push to kvstore %s failed (%s: %s); the decode worker will "
                 "recompute its blocks",

@@ -76,6 +76,15 @@ class WorkerMetrics:
             buckets=TRANSFER_BUCKETS,
             registry=self.registry,
         )
+        self.transfer_failures = Counter(
+            name("kv_transfer_failures"),
+            "KV transfers to (push) or from (fetch) one kvstore that failed; their blocks "
+            "are recomputed by the decode worker.",
+            by_direction,
+            registry=self.registry,
+        )
+        for direction in ("push", "fetch"):
+            self.transfer_failures.labels(*labels.values, direction)
         self.registry.register(SnapshotCollector(labels, self._engine_rows))
 
     def _engine_rows(self) -> Iterable[tuple]:
@@ -149,6 +158,10 @@ class WorkerMetrics:
         self.transfer_blocks.labels(*values).inc(blocks)
         self.transfer_bytes.labels(*values).inc(num_bytes)
         self.transfer_seconds.labels(*values).observe(seconds)
+
+    def transfer_failed(self, direction: str) -> None:
+        """Count one failed transfer with one kvstore (``direction``: push or fetch)."""
+        self.transfer_failures.labels(*self.labels.values, direction).inc()
 
 
 @dataclass

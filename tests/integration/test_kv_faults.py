@@ -34,6 +34,7 @@ from tests.integration.test_block_integrity import (
     exported_blocks,
     fake_kvstore,
 )
+from tests.integration.test_metrics import scrape, value
 from tests.reference import hf_greedy, hf_greedy_tokens
 
 pytestmark = pytest.mark.timeout(300)
@@ -141,10 +142,18 @@ def cluster(tiny_llama_path, tmp_path_factory):
              *("--kv-fetch-timeout", "1")),
             ("prefill", "services.prefill", *model,
              *("--kvstore", c.push_kvstore, "--kv-push-timeout", "1")),
+            ready={"decode": ("decode-metrics",), "prefill": ("prefill-metrics",)},
         )  # fmt: skip
         yield c
     finally:
         c.stop_all()
+
+
+def transfer_failures(worker, direction: str) -> float:
+    """The worker's ``pdserve:kv_transfer_failures_total{direction}``, scraped."""
+    role = worker.expect[0]
+    families = scrape(f"http://{worker.addresses[role + '-metrics']}/metrics")
+    return value(families, "pdserve:kv_transfer_failures_total", direction=direction)
 
 
 def params() -> common_pb2.SamplingParams:
@@ -178,12 +187,14 @@ async def test_a_failing_fetch_is_recomputed_exactly(cluster, prefill_engine, re
         layout=layout_to_proto(prefill_engine.engine.block_layout()),
     )
     failures = (await decode_stat(cluster.decode.address)).kv_fetch_failures
+    counted = transfer_failures(cluster.decode, "fetch")
     async with broken_kvstore(cluster, cluster.fetch_kvstore, fault, blocks) as servicer:
         await check_recomputed(cluster, request, want, first)
         if servicer is not None:
             assert servicer.calls == ["get"]
     failures = (await decode_stat(cluster.decode.address)).kv_fetch_failures - failures
     assert failures == (0 if fault == "lost" else 1)
+    assert transfer_failures(cluster.decode, "fetch") - counted == failures
     log = cluster.decode.log_text()
     if fault == "lost":
         assert f"request {rid}: fetch" not in log
@@ -197,6 +208,7 @@ async def test_a_failing_fetch_is_recomputed_exactly(cluster, prefill_engine, re
 async def test_a_failing_push_still_answers_and_decode_recomputes(cluster, references, fault):
     prompt, want = PROMPTS["push", fault], references["push", fault]
     rid = f"push-{fault}"
+    counted = transfer_failures(cluster.prefill, "push")
     async with broken_kvstore(cluster, cluster.push_kvstore, fault) as servicer:
         async with aio_channel(cluster.prefill.address) as channel:
             response = await prefill_pb2_grpc.PrefillStub(channel).Prefill(
@@ -209,6 +221,8 @@ async def test_a_failing_push_still_answers_and_decode_recomputes(cluster, refer
             assert servicer.calls == ["put"]
     assert response.first_token_id == want[0]
     assert len(response.block_keys) == 4
+    failed = transfer_failures(cluster.prefill, "push") - counted
+    assert failed == (0 if fault == "lost" else 1)
     log = cluster.prefill.log_text()
     if fault == "lost":  # the push worked: the decode worker finds nothing and recomputes
         assert response.kvstore_address == cluster.push_kvstore

@@ -144,6 +144,7 @@ EXPECTED = {
         ("pdserve:kv_transfer_bytes", "counter"),
         ("pdserve:kv_transfer_blocks", "counter"),
         ("pdserve:kv_transfer_seconds", "histogram"),
+        ("pdserve:kv_transfer_failures", "counter"),
         ("process_cpu_seconds", "counter"),
     },
     "kvstore": {
@@ -269,6 +270,11 @@ def test_counters_and_histograms_move_by_what_the_requests_did(measured):
     assert fetched == blocks - REPEAT_HIT_TOKENS // BLOCK
     assert delta("kvstore", "pdserve:kvstore_blocks_out_total") == fetched
     assert delta("decode", "pdserve:kv_blocks_imported_total") == fetched
+    # Nothing failed, and the failure series exist at 0 (alerts need them before a fault).
+    for role, direction in (("prefill", "push"), ("decode", "fetch")):
+        failures = "pdserve:kv_transfer_failures_total"
+        assert value(after[role], failures, direction=direction) == 0
+        assert any(s.name == failures for s in after[role]["pdserve:kv_transfer_failures"].samples)
 
 
 def test_the_registry_and_status_show_each_metrics_address(cluster, redis_server):
