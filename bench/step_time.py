@@ -1,9 +1,13 @@
-"""The engine's decode step time with the C++ CPU ops against the Python ops, side by side.
+"""The engine's decode step time in two variants of the CPU path, side by side.
 
-    .venv/bin/python bench/step_time.py [--dtype bfloat16] [--batches 1,16] [--rounds 3]
+    .venv/bin/python bench/step_time.py [--compare cpu-ops|sgemm] [--dtype bfloat16]
+                                        [--batches 1,16] [--rounds 3]
 
-Each round runs one process per variant, alternating (``PDSERVE_CPU_OPS=python`` keeps the
-Python ops; the default uses the C++ ops and inductor's C++ wrapper where they build). A
+``--compare cpu-ops`` (the default): the C++ CPU ops against the Python ops
+(``PDSERVE_CPU_OPS=python`` keeps the Python ops; the default uses the C++ ops and
+inductor's C++ wrapper where they build). ``--compare sgemm``: float32 linears through
+the sgemm kernel against oneDNN (``PDSERVE_CPU_SGEMM=0``).
+Each round runs one process per variant, alternating. A
 process starts the engine on SmolLM2 (warm compile cache assumed: run once first), then
 for each batch size B adds B prompts of 256 tokens, decodes 48 tokens each and takes the
 median time of the last 40 steps (all decode at a 256-304 token context); three such
@@ -23,7 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"python ops": {"PDSERVE_CPU_OPS": "python"}, "C++ ops": {}}
+COMPARISONS = {
+    "cpu-ops": {"python ops": {"PDSERVE_CPU_OPS": "python"}, "C++ ops": {}},
+    "sgemm": {"oneDNN": {"PDSERVE_CPU_SGEMM": "0"}, "sgemm": {}},
+}
 
 
 def decode_step_ms(engine, batches: list[int]) -> dict[int, float]:
@@ -57,6 +64,7 @@ def _child(dtype: str, batches: list[int]) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", default="cpu-ops", choices=sorted(COMPARISONS))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--rounds", type=int, default=3)
@@ -66,9 +74,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.dtype, batches)))
         return
-    results: dict[str, list[dict[int, float]]] = {v: [] for v in VARIANTS}
+    variants = COMPARISONS[args.compare]
+    results: dict[str, list[dict[int, float]]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for name, env in VARIANTS.items():
+        for name, env in variants.items():
             done = subprocess.run(
                 [sys.executable, __file__, "--child", "--dtype", args.dtype]
                 + ["--batches", args.batches],
@@ -83,11 +92,12 @@ def main() -> None:
             print(
                 f"round {r + 1} {name}: " + ", ".join(f"B={b} {figures[b]:.2f} ms" for b in batches)
             )
-    print("\n| batch | python ops ms | C++ ops ms | ratio |\n|---|---|---|---|")
+    before, after = variants
+    print(f"\n| batch | {before} ms | {after} ms | ratio |\n|---|---|---|---|")
     for b in batches:
-        py = statistics.median(f[b] for f in results["python ops"])
-        cpp = statistics.median(f[b] for f in results["C++ ops"])
-        print(f"| {b} | {py:.2f} | {cpp:.2f} | {py / cpp:.2f}x |")
+        x = statistics.median(f[b] for f in results[before])
+        y = statistics.median(f[b] for f in results[after])
+        print(f"| {b} | {x:.2f} | {y:.2f} | {x / y:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 // compiled step calls its linears and attention without entering Python: with inductor's
 // C++ wrapper the whole decode step runs as one call without the GIL.
 // Built and loaded by kernels/cpu_build.py (linked against the C kernels of
-// cpu_attention.c and cpu_gemm.c); the Python side is services/engine/model/ops.py.
+// cpu_attention.c, cpu_gemm.c and cpu_sgemm.c); the Python side is services/engine/model/ops.py.
 //
 // Attention reads the step's KV cache and metadata from a per-thread context that
 // set_step() fills before each forward (each engine steps on its own thread). Decode rows
@@ -18,6 +18,8 @@
 #include <optional>
 
 extern "C" {
+void pd_sgemm_linear(const float* x, const float* wp, const float* bias, float* y, int M, int N,
+                     int K, int nthreads);
 void pd_amx_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                    int M, int N, int K, int nthreads);
 void pd_write_kv_f32(const float* k, const float* v, int64_t k_ts, int64_t k_hs, int64_t v_ts,
@@ -150,17 +152,35 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
     return out.scalar_type() == query.scalar_type() ? out : out.to(query.scalar_type());
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& onednn_weight,
-                  const std::optional<at::Tensor>& amx_weight, const std::optional<at::Tensor>& bias,
-                  int64_t out_features, int64_t amx_max_rows) {
+// The kernel weight (cpu_sgemm.c's panels for float32, cpu_gemm.c's AMX tiles for bf16)
+// takes up to kernel_max_rows rows, and every row count when there is no oneDNN weight.
+at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& onednn_weight,
+                  const std::optional<at::Tensor>& kernel_weight,
+                  const std::optional<at::Tensor>& bias, int64_t out_features,
+                  int64_t kernel_max_rows) {
     at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
     const int64_t m = xc.size(0), k = xc.size(1);
-    if (amx_weight.has_value() && m <= amx_max_rows && xc.scalar_type() == at::kBFloat16) {
+    const bool kernel = kernel_weight.has_value() &&
+                        (m <= kernel_max_rows || !onednn_weight.has_value()) &&
+                        xc.scalar_type() == kernel_weight->scalar_type();
+    if (kernel && xc.scalar_type() == at::kFloat) {
+        TORCH_CHECK(kernel_weight->numel() == k * out_features,
+                    "pdserve_cpu::linear: the packed weight is not [", out_features, ", ", k, "]");
+        at::Tensor y = at::empty({m, out_features}, xc.options());
+        at::Tensor b;
+        if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+        pd_sgemm_linear(xc.data_ptr<float>(), kernel_weight->data_ptr<float>(),
+                        b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                        static_cast<int>(m), static_cast<int>(out_features), static_cast<int>(k),
+                        at::get_num_threads());
+        return y;
+    }
+    if (kernel && xc.scalar_type() == at::kBFloat16) {
         at::Tensor y = at::empty({m, out_features}, xc.options());
         at::Tensor b;
         if (bias.has_value()) b = bias->to(at::kBFloat16).contiguous();
         pd_amx_linear(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<const uint16_t*>(amx_weight->data_ptr<at::BFloat16>()),
+                      reinterpret_cast<const uint16_t*>(kernel_weight->data_ptr<at::BFloat16>()),
                       b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>())
                                   : nullptr,
                       reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
@@ -168,6 +188,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& onednn_weight,
                       at::get_num_threads());
         return y;
     }
+    TORCH_CHECK(onednn_weight.has_value(),
+                "bug: pdserve_cpu::linear has no weight for a ", xc.scalar_type(), " input");
     static auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -175,7 +197,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& onednn_weight,
                               const std::optional<at::Tensor>&, c10::string_view,
                               c10::List<std::optional<at::Scalar>>,
                               std::optional<c10::string_view>)>();
-    return op.call(xc, onednn_weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
+    return op.call(xc, *onednn_weight, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                   "");
 }
 
 }  // namespace
@@ -185,8 +208,8 @@ TORCH_LIBRARY(pdserve_cpu, m) {
           "int num_decode) -> ()");
     m.def("clear_step() -> ()");
     m.def("attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor");
-    m.def("linear(Tensor x, Tensor onednn_weight, Tensor? amx_weight, Tensor? bias, "
-          "int out_features, int amx_max_rows) -> Tensor");
+    m.def("linear(Tensor x, Tensor? onednn_weight, Tensor? kernel_weight, Tensor? bias, "
+          "int out_features, int kernel_max_rows) -> Tensor");
 }
 
 // One kernel for every backend key: a packed oneDNN weight is an MkldnnCPU tensor.

@@ -1,4 +1,5 @@
-"""Packed CPU linears: every row count gives F.linear's result, through oneDNN or AMX."""
+"""Packed CPU linears: every row count gives F.linear's result, through oneDNN, the sgemm
+kernel (float32, AVX2) or AMX (bf16)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import gemm_cpu
+from kernels import gemm_cpu, sgemm_cpu
 from services.engine.model import ops
 from services.engine.model.cpu_linear import (
     AMX_MAX_ROWS,
@@ -22,12 +23,17 @@ needs_bf16 = pytest.mark.skipif(BF16 is None, reason="oneDNN has no bf16 path on
 ROWS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 200, 1024, 1025]
 
 
+@pytest.mark.parametrize("use_sgemm", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_matches_f_linear_at_every_row_count(bias):
+def test_float32_matches_f_linear_at_every_row_count(bias, use_sgemm):
+    if use_sgemm and not sgemm_cpu.available():
+        pytest.skip("the sgemm kernel is for AVX2 CPUs without AVX-512")
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
-    packed = PackedLinear(linear, 0, use_amx=True, cpp_op=False)
-    assert packed.amx is None  # AMX is for bfloat16
+    packed = PackedLinear(linear, 0, use_amx=True, cpp_op=False, use_sgemm=use_sgemm)
+    # AMX is for bfloat16; the sgemm kernel, where taken, is the only copy of the weight.
+    assert packed.kernel_name == ("sgemm" if use_sgemm else "")
+    assert (packed.onednn is None) == use_sgemm
     for m in ROWS:
         x = torch.randn(m, 96)
         torch.testing.assert_close(
@@ -43,7 +49,7 @@ def test_bfloat16_matches_f_linear_at_every_row_count(use_amx):
     torch.manual_seed(1)
     linear = nn.Linear(128, 96, bias=True).to(torch.bfloat16)
     packed = PackedLinear(linear, 0, use_amx=use_amx, cpp_op=False)
-    assert (packed.amx is not None) == use_amx
+    assert (packed.kernel is not None) == use_amx
     for m in ROWS:
         x = torch.randn(m, 128).to(torch.bfloat16)
         want = (x.float() @ linear.weight.float().T + linear.bias.float()).to(torch.bfloat16)
@@ -77,14 +83,18 @@ def test_linears_of_a_dtype_onednn_cannot_pack_stay_plain(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(BF16, marks=needs_bf16)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_cpp_op_computes_what_the_python_op_does(dtype, bias):
+@pytest.mark.parametrize("use_sgemm", [False, True])
+def test_the_cpp_op_computes_what_the_python_op_does(dtype, bias, use_sgemm):
     """``pdserve_cpu::linear`` takes the packed weights as inputs and runs the same kernels
     as ``PackedLinear.run``: bit for bit the same result at every row count."""
     if ops.cpu_ops_error() is not None:
         pytest.skip(f"no C++ ops here: {ops.cpu_ops_error()}")
+    if use_sgemm and not sgemm_cpu.available():
+        pytest.skip("the sgemm kernel is for AVX2 CPUs without AVX-512")
     torch.manual_seed(2)
     linear = nn.Linear(128, 96, bias=bias).to(dtype)
-    packed = PackedLinear(linear, 0, use_amx=gemm_cpu.available(), cpp_op=True)
+    packed = PackedLinear(linear, 0, use_amx=gemm_cpu.available(), cpp_op=True, use_sgemm=use_sgemm)
+    assert (packed.kernel_name == "sgemm") == (use_sgemm and dtype == torch.float32)
     for m in ROWS:
         x = torch.randn(m, 128).to(dtype)
         got = packed(x)

@@ -3,7 +3,11 @@
 Each ``nn.Linear`` becomes a ``PackedLinear`` that holds its weight in the layouts the
 fast kernels read, packed once at start:
 
-- oneDNN's blocked layout for this CPU (AMX tiles, AVX-512 or AVX2), for every row count;
+- float32 on CPUs with AVX2 and FMA but no AVX-512: only the sgemm kernel's panels
+  (``kernels.sgemm_cpu``), for every row count: 1.15-1.45x oneDNN's speed there from 1 to
+  512 rows (``bench/sgemm_cpu.py``), and one copy of the weights rather than two;
+- otherwise oneDNN's blocked layout for this CPU (AMX tiles, AVX-512 or AVX2), for every
+  row count;
 - for bfloat16 on CPUs with AMX, also the AMX kernel's tile layout (``kernels.gemm_cpu``),
   used up to ``AMX_MAX_ROWS`` rows: at decode sizes a linear is bound by reading its
   weights and oneDNN's small-batch path reads them well below the memory bandwidth; at
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import gemm_cpu
+from kernels import gemm_cpu, sgemm_cpu
 from services.engine.model import ops
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,6 +32,7 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # (2 threads): 1.3-1.9x oneDNN's speed at 1-32 rows, about equal from 128 to 1024 rows
 # (and faster within a step, see above), slower from 2048 rows on.
 AMX_MAX_ROWS = 1024
+ALL_ROWS = 2**62  # the kernel weight is the only one: every row count takes it
 
 
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -46,7 +51,9 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight held only in packed layouts; ``index`` is its place in
     the model's list of packed linears (the forward context's ``linears``)."""
 
-    def __init__(self, linear: nn.Linear, index: int, use_amx: bool, cpp_op: bool) -> None:
+    def __init__(
+        self, linear: nn.Linear, index: int, use_amx: bool, cpp_op: bool, use_sgemm: bool = False
+    ) -> None:
         super().__init__()
         self.index = index
         self.cpp_op = cpp_op
@@ -55,27 +62,40 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.amx = gemm_cpu.pack(weight) if use_amx and gemm_cpu.supports(weight) else None
+        self.onednn: torch.Tensor | None = None
+        self.kernel: torch.Tensor | None = None  # sgemm panels (float32) or AMX tiles (bf16)
+        self.kernel_name = ""
+        self.kernel_max_rows = 0
+        if use_sgemm and sgemm_cpu.supports(weight):
+            self.kernel, self.kernel_name = sgemm_cpu.pack(weight), "sgemm"
+            self.kernel_max_rows = ALL_ROWS
+        else:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            if use_amx and gemm_cpu.supports(weight):
+                self.kernel, self.kernel_name = gemm_cpu.pack(weight), "amx"
+                self.kernel_max_rows = AMX_MAX_ROWS
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpp_op:
             return torch.ops.pdserve_cpu.linear(
-                x, self.onednn, self.amx, self.bias, self.out_features, AMX_MAX_ROWS
+                x, self.onednn, self.kernel, self.bias, self.out_features, self.kernel_max_rows
             )
         return ops.cpu_linear(x, self.handle, self.out_features)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in_features] in the weight's dtype -> [rows, out_features]."""
-        if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
-            return gemm_cpu.linear(x, self.amx, self.bias, self.out_features)
+        if self.kernel is not None and x.shape[0] <= self.kernel_max_rows:
+            module = sgemm_cpu if self.kernel_name == "sgemm" else gemm_cpu
+            return module.linear(x, self.kernel, self.bias, self.out_features)
         if not x.is_contiguous():
             x = x.contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        kinds = "onednn" + (" + amx" if self.amx is not None else "")
+        kinds = ["onednn"] if self.onednn is not None else []
+        kinds += [self.kernel_name] if self.kernel_name else []
+        kinds = " + ".join(kinds)
         return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
 
 
@@ -83,6 +103,7 @@ def pack_linears(model: nn.Module, cpp_op: bool) -> list[PackedLinear]:
     """Replace every CPU ``nn.Linear`` of a packable dtype in ``model``; the new modules, in
     the order of their ``index``. ``cpp_op``: they call ``pdserve_cpu::linear``."""
     use_amx = gemm_cpu.available()
+    use_sgemm = sgemm_cpu.available()
     packed: list[PackedLinear] = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -91,7 +112,7 @@ def pack_linears(model: nn.Module, cpp_op: bool) -> list[PackedLinear]:
                 and child.weight.device.type == "cpu"
                 and packing_available(child.weight.dtype)
             ):
-                linear = PackedLinear(child, len(packed), use_amx, cpp_op)
+                linear = PackedLinear(child, len(packed), use_amx, cpp_op, use_sgemm)
                 setattr(module, name, linear)
                 packed.append(linear)
     return packed

@@ -88,7 +88,7 @@ def cpu_ops_error() -> str | None:
     from kernels.cpu_build import KernelBuildError, load_torch_ops
 
     try:
-        load_torch_ops("torch_ops", ("cpu_attention", "cpu_gemm"))
+        load_torch_ops("torch_ops", ("cpu_attention", "cpu_gemm", "cpu_sgemm"))
     except KernelBuildError as e:
         logger.warning("the C++ CPU operators do not build here, using Python ops: %s", e)
         return str(e)
@@ -105,7 +105,7 @@ def _register_cpp_fakes() -> None:
         return torch.empty_like(query)
 
     @torch.library.register_fake("pdserve_cpu::linear")
-    def _(x, onednn_weight, amx_weight, bias, out_features, amx_max_rows):
+    def _(x, onednn_weight, kernel_weight, bias, out_features, kernel_max_rows):
         return x.new_empty(x.shape[0], out_features)
 
 
