@@ -15,7 +15,6 @@ import argparse
 import cProfile
 import io
 import json
-import platform
 import pstats
 import random
 import statistics
@@ -28,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.compare import machine  # noqa: E402
 from bench.results_md import replace_section  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.prepare_model import resolve_model  # noqa: E402
@@ -81,6 +81,26 @@ def run_transformers(
     return time.perf_counter() - t0
 
 
+def side_by_side(
+    llm: LLM, hf, prompts: list[list[int]], out_len: int, concurrency: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    """Output tok/s of the engine and of transformers, each run `repeats` times, alternating
+    (after one small warm-up run each: allocator, kernels)."""
+    run_engine(llm, prompts[:4], 8)
+    run_transformers(hf, prompts[:4], 8, 4, 0)
+    total_out = len(prompts) * out_len
+    eng_tps, hf_tps = [], []
+    for r in range(repeats):
+        llm.engine.pool.reset_prefix_cache()
+        eng_tps.append(total_out / run_engine(llm, prompts, out_len))
+        hf_tps.append(total_out / run_transformers(hf, prompts, out_len, concurrency, 0))
+        print(
+            f"repeat {r + 1}: pdserve {eng_tps[-1]:.1f} tok/s, transformers {hf_tps[-1]:.1f} tok/s",
+            flush=True,
+        )
+    return eng_tps, hf_tps
+
+
 def profile_engine(llm: LLM, prompts: list[list[int]], out_len: int) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -122,27 +142,14 @@ def main() -> int:
     prompts = make_prompts(
         args.num_prompts, args.input_len, 0.25, llm.engine.model_config.vocab_size, 0
     )
-    total_out = args.num_prompts * args.output_len
-
-    # Warm both up once (allocator, oneDNN kernels), then alternate.
-    run_engine(llm, prompts[:4], 8)
-    run_transformers(hf, prompts[:4], 8, 4, 0)
-    eng_tps, hf_tps = [], []
-    for r in range(args.repeats):
-        llm.engine.pool.reset_prefix_cache()
-        eng_tps.append(total_out / run_engine(llm, prompts, args.output_len))
-        hf_tps.append(
-            total_out / run_transformers(hf, prompts, args.output_len, args.concurrency, 0)
-        )
-        print(
-            f"repeat {r + 1}: pdserve {eng_tps[-1]:.1f} tok/s, transformers {hf_tps[-1]:.1f} tok/s",
-            flush=True,
-        )
+    eng_tps, hf_tps = side_by_side(
+        llm, hf, prompts, args.output_len, args.concurrency, args.repeats
+    )
     llm.engine.pool.reset_prefix_cache()
     profile = "" if args.no_profile else profile_engine(llm, prompts, args.output_len)
 
     result = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "machine": f"{machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
         "model": path.name,
         "dtype": args.dtype,
         "num_prompts": args.num_prompts,

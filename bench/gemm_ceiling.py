@@ -31,10 +31,10 @@ from bench.compare import machine  # noqa: E402
 from bench.engine_throughput import (  # noqa: E402
     build_engine,
     make_prompts,
-    run_engine,
-    run_transformers,
+    side_by_side,
 )
 from bench.results_md import replace_section  # noqa: E402
+from kernels import sgemm_cpu  # noqa: E402
 from services.engine.prepare_model import resolve_model  # noqa: E402
 
 
@@ -93,9 +93,9 @@ def workload_flops(shapes: Shapes, prompt_lens: list[int], out_len: int) -> dict
 
 
 def gemm_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
-    """GFLOP/s of the fastest float32 [m, k] x [k, n] torch offers here, warm operands:
-    the best of `torch.mm`, `F.linear` and oneDNN's prepacked linear (what inductor's
-    freezing uses), each the best of 3 timed bursts."""
+    """GFLOP/s of the fastest float32 [m, k] x [k, n] here, warm operands: the best of
+    `torch.mm`, `F.linear`, oneDNN's prepacked linear and, where it is built, pdserve's
+    sgemm kernel, each the best of 3 timed bursts."""
     x, w = torch.randn(m, k), torch.randn(n, k)
     wt = w.t().contiguous()
     calls = {"mm": lambda: torch.mm(x, wt), "linear": lambda: torch.nn.functional.linear(x, w)}
@@ -104,6 +104,9 @@ def gemm_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
         calls["packed"] = lambda: torch.ops.mkldnn._linear_pointwise(
             x, packed, None, "none", [], ""
         )
+    if sgemm_cpu.available() and sgemm_cpu.supports(w):
+        panels = sgemm_cpu.pack(w)
+        calls["sgemm"] = lambda: sgemm_cpu.linear(x, panels, None, n)
     return max(2 * m * k * n / _best_time(f, seconds) / 1e9 for f in calls.values())
 
 
@@ -187,16 +190,10 @@ def main() -> int:
     llm = build_engine(path, "float32", args.concurrency, args.max_num_batched_tokens)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    run_engine(llm, prompts[:4], 8)
-    run_transformers(hf, prompts[:4], 8, 4, 0)
     total_out = args.num_prompts * args.output_len
-    eng_tps, hf_tps = [], []
-    for _ in range(args.repeats):
-        llm.engine.pool.reset_prefix_cache()
-        eng_tps.append(total_out / run_engine(llm, prompts, args.output_len))
-        hf_tps.append(
-            total_out / run_transformers(hf, prompts, args.output_len, args.concurrency, 0)
-        )
+    eng_tps, hf_tps = side_by_side(
+        llm, hf, prompts, args.output_len, args.concurrency, args.repeats
+    )
     hf_median = statistics.median(hf_tps)
 
     floor_s = (flops["linear"] + flops["attention"]) / (best * 1e9)
@@ -243,8 +240,8 @@ engine_throughput.py's ({r["workload"]}, {args.concurrency} at once).
 The work no engine can skip: {r["gflop"]["linear"]:.0f} GFLOP of linears (prompt tokens through every
 layer, lm_head on each prompt's last token and on each decoded token) and
 {r["gflop"]["attention"]:.0f} GFLOP of causal attention. This machine's float32 matrix multiply
-(the best of `torch.mm`, `F.linear` and oneDNN's prepacked linear; warm operands, best
-of 3 bursts), GFLOP/s:
+(the best of `torch.mm`, `F.linear`, oneDNN's prepacked linear and, where it is built,
+pdserve's sgemm kernel; warm operands, best of 3 bursts), GFLOP/s:
 
 | m x k x n | GFLOP/s |
 |---|---|
