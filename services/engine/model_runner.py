@@ -31,7 +31,7 @@ from services.engine.attention import AttentionMetadata, get_attention_backend
 from services.engine.cuda_graphs import CudaGraphRunner, bucket_for, decode_buckets
 from services.engine.forward_context import ForwardContext, forward_context
 from services.engine.model import ops
-from services.engine.model.cpu_linear import pack_linears, packing_available
+from services.engine.model.cpu_linear import describe, pack_linears, packing_available
 from services.engine.model.loader import load_model
 from services.engine.outputs import ModelRunnerOutput
 from services.engine.sampler import Sampler
@@ -93,6 +93,8 @@ class ModelRunner:
             if device.type == "cpu" and packing_available(dtype)
             else []
         )
+        if self.linears:
+            logger.info("CPU linears packed: %s", describe(self.linears))
         for module in self.model.modules():
             if hasattr(module, "cpp_op"):  # the attention layers
                 module.cpp_op = self.cpp_ops

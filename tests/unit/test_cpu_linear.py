@@ -13,6 +13,7 @@ from services.engine.model import ops
 from services.engine.model.cpu_linear import (
     AMX_MAX_ROWS,
     PackedLinear,
+    describe,
     pack_linears,
     packing_available,
 )
@@ -69,6 +70,17 @@ def test_pack_linears_numbers_them_in_order_and_drops_the_weights():
     assert [int(p.handle) for p in packed] == [0, 1]
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert not hasattr(model[0], "weight")
+
+
+def test_describe_counts_the_linears_by_the_layouts_they_hold():
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 8))
+    packed = pack_linears(model, cpp_op=False)
+    # 8 output features are not a multiple of 16: that one stays with oneDNN
+    want = "3 onednn"
+    if sgemm_cpu.available():
+        want = "2 sgemm, 1 onednn"
+    assert describe(packed) == want
+    assert describe([]) == "none"
 
 
 def test_linears_of_a_dtype_onednn_cannot_pack_stay_plain(monkeypatch):

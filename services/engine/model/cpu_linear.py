@@ -92,11 +92,21 @@ class PackedLinear(nn.Module):
             x = x.contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
 
+    def kinds(self) -> str:
+        """The layouts held: "onednn", "sgemm", "onednn + amx"."""
+        held = ["onednn"] if self.onednn is not None else []
+        return " + ".join(held + ([self.kernel_name] if self.kernel_name else []))
+
     def extra_repr(self) -> str:
-        kinds = ["onednn"] if self.onednn is not None else []
-        kinds += [self.kernel_name] if self.kernel_name else []
-        kinds = " + ".join(kinds)
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kinds()}"
+
+
+def describe(packed: list[PackedLinear]) -> str:
+    """How many packed linears hold which layouts, e.g. "121 sgemm" (for the start log)."""
+    counts: dict[str, int] = {}
+    for linear in packed:
+        counts[linear.kinds()] = counts.get(linear.kinds(), 0) + 1
+    return ", ".join(f"{n} {kinds}" for kinds, n in counts.items()) or "none"
 
 
 def pack_linears(model: nn.Module, cpp_op: bool) -> list[PackedLinear]:
