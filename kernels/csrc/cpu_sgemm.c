@@ -4,10 +4,12 @@
  * On CPUs with AVX2 and FMA but no AVX-512, oneDNN's packed float32 linear reaches
  * 110-150 GFLOP/s on 2 threads at SmolLM2's decode and prefill shapes; a plain
  * register-blocked kernel reaches 145-186 (bench/sgemm_cpu.py). The weight is packed once
- * into panels of 16 columns ([N/16][K][16]); each thread takes a range of panels and, for
- * each, walks the rows 6 at a time: 6 x 16 accumulators (12 ymm registers), 2 weight
- * loads and 6 broadcasts per k. Every output is one fp32 sum over k in order, whatever M
- * or the thread count: a row's result does not depend on the batch it is in.
+ * into panels of 16 columns ([N/16][K][16]); each thread takes a range of groups of 3
+ * panels and, for each panel, walks the rows 6 at a time: 6 x 16 accumulators (12 ymm
+ * registers), 2 weight loads and 6 broadcasts per k. The M % 6 rows left go 2 at a time
+ * against the group's 3 panels (again 12 accumulators). Every output is one fp32 sum
+ * over k in order, whatever M or the thread count: a row's result does not depend on the
+ * batch it is in.
  * On CPUs with AVX-512, or without AVX2 and FMA, pd_sgemm_available() answers 0 and the
  * caller keeps oneDNN.
  */
@@ -27,10 +29,9 @@ void pd_sgemm_pack(const float* w, float* out, int N, int K) {
                 out[((size_t)p * K + k) * 16 + j] = w[(size_t)(p * 16 + j) * K + k];
 }
 
-/* Up to 6 rows of x (R of them real) against one 16-column panel. A block of fewer than 6
- * rows reads row 0 again in place of the missing ones and stores only its R rows: the
- * 6-row loop keeps its 12 accumulators in registers, and on these memory- and
- * load-bound shapes the wasted FMAs cost less than a narrower loop. */
+/* Up to 6 rows of x (R of them real; a block of fewer reads row 0 again in place of the
+ * missing ones and stores only its R rows) against one 16-column panel: 12 accumulators,
+ * 2 weight loads and 6 broadcasts per k. */
 static void rows_x_panel(const float* x, int R, int K, const float* panel, const float* bias,
                          float* y, int ldy) {
     const float* a[6];
@@ -65,63 +66,67 @@ static void rows_x_panel(const float* x, int R, int K, const float* panel, const
     }
 }
 
-static void panel_all_rows(const float* x, const float* panel, const float* bias, float* y,
-                           int M, int N, int K) {
-    for (int m = 0; m < M; m += 6)
-        rows_x_panel(x + (size_t)m * K, M - m < 6 ? M - m : 6, K, panel, bias,
-                     y + (size_t)m * N, N);
-}
-
-/* One row of x against panels [p0, p1) (at most 3): a decode step of one sequence is bound
- * by reading the weights, and one row's 2 accumulators per panel would leave the FMA
- * units waiting on their own latency; 3 panels give 6 independent chains. Each output is
- * still one sum over k in order, as in rows_x_panel. */
-static void row_x_panels(const float* x, int K, const float* wp, const float* bias, float* y,
-                         int p0, int p1) {
+/* Up to 2 rows of x (R of them real) against panels [p0, p1) (at most 3): the rows that
+ * do not fill a 6-row block. A 2 x 16 block would leave the FMA units waiting on their
+ * own latency (4 accumulators); 2 rows x 3 panels keep 12 chains going, as the 6-row
+ * block does. Each output is still one sum over k in order, as in rows_x_panel. */
+static void rows2_x_panels(const float* x, int R, int K, const float* wp, const float* bias,
+                           float* y, int ldy, int p0, int p1) {
     const float* b[3];
     for (int i = 0; i < 3; i++) b[i] = wp + (size_t)(p0 + (p0 + i < p1 ? i : 0)) * K * 16;
     const float *b0 = b[0], *b1 = b[1], *b2 = b[2];
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    const float *a0 = x, *a1 = x + (size_t)(R > 1 ? K : 0);
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c04 = c00, c05 = c00;
+    __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00, c14 = c00, c15 = c00;
     for (int k = 0; k < K; k++) {
-        const __m256 v = _mm256_broadcast_ss(x + k);
         const size_t o = (size_t)k * 16;
-        c00 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b0 + o), c00);
-        c01 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b0 + o + 8), c01);
-        c10 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b1 + o), c10);
-        c11 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b1 + o + 8), c11);
-        c20 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b2 + o), c20);
-        c21 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b2 + o + 8), c21);
+        const __m256 w0 = _mm256_loadu_ps(b0 + o), w1 = _mm256_loadu_ps(b0 + o + 8);
+        const __m256 w2 = _mm256_loadu_ps(b1 + o), w3 = _mm256_loadu_ps(b1 + o + 8);
+        const __m256 w4 = _mm256_loadu_ps(b2 + o), w5 = _mm256_loadu_ps(b2 + o + 8);
+        const __m256 u = _mm256_broadcast_ss(a0 + k), v = _mm256_broadcast_ss(a1 + k);
+        c00 = _mm256_fmadd_ps(u, w0, c00), c01 = _mm256_fmadd_ps(u, w1, c01);
+        c02 = _mm256_fmadd_ps(u, w2, c02), c03 = _mm256_fmadd_ps(u, w3, c03);
+        c04 = _mm256_fmadd_ps(u, w4, c04), c05 = _mm256_fmadd_ps(u, w5, c05);
+        c10 = _mm256_fmadd_ps(v, w0, c10), c11 = _mm256_fmadd_ps(v, w1, c11);
+        c12 = _mm256_fmadd_ps(v, w2, c12), c13 = _mm256_fmadd_ps(v, w3, c13);
+        c14 = _mm256_fmadd_ps(v, w4, c14), c15 = _mm256_fmadd_ps(v, w5, c15);
     }
-    const __m256 acc[6] = {c00, c01, c10, c11, c20, c21};
+    const __m256 acc[2][6] = {{c00, c01, c02, c03, c04, c05}, {c10, c11, c12, c13, c14, c15}};
+    const __m256 zero = _mm256_setzero_ps();
     for (int i = 0; i < p1 - p0; i++) {
         const int n0 = (p0 + i) * 16;
-        const __m256 zero = _mm256_setzero_ps();
         const __m256 bias0 = bias ? _mm256_loadu_ps(bias + n0) : zero;
         const __m256 bias1 = bias ? _mm256_loadu_ps(bias + n0 + 8) : zero;
-        _mm256_storeu_ps(y + n0, _mm256_add_ps(acc[2 * i], bias0));
-        _mm256_storeu_ps(y + n0 + 8, _mm256_add_ps(acc[2 * i + 1], bias1));
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(y + (size_t)r * ldy + n0, _mm256_add_ps(acc[r][2 * i], bias0));
+            _mm256_storeu_ps(y + (size_t)r * ldy + n0 + 8,
+                             _mm256_add_ps(acc[r][2 * i + 1], bias1));
+        }
     }
 }
 
 /* y[M, N] = x[M, K] @ W^T + bias (bias may be NULL); x and y contiguous; wp from
- * pd_sgemm_pack. Each of nthreads threads takes an even range of the N/16 panels. */
+ * pd_sgemm_pack. The threads split the panels in groups of 3; in each group the rows go
+ * 6 at a time through each panel, and the last M % 6 rows 2 at a time across the group
+ * (a single sequence's decode step is such a tail: one row against 3 panels at once). */
 void pd_sgemm_linear(const float* x, const float* wp, const float* bias, float* y, int M, int N,
                      int K, int nthreads) {
     const int panels = N / 16;
     if (panels < 1 || M < 1) return;
+    const int groups = (panels + 2) / 3, full = M / 6 * 6;
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > panels) nthreads = panels;
-    if (M == 1) {
-        const int groups = (panels + 2) / 3;
+    if (nthreads > groups) nthreads = groups;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int g = 0; g < groups; g++)
-            row_x_panels(x, K, wp, bias, y, 3 * g, 3 * g + 3 < panels ? 3 * g + 3 : panels);
-        return;
+    for (int g = 0; g < groups; g++) {
+        const int p0 = 3 * g, p1 = p0 + 3 < panels ? p0 + 3 : panels;
+        for (int p = p0; p < p1; p++)
+            for (int m = 0; m < full; m += 6)
+                rows_x_panel(x + (size_t)m * K, 6, K, wp + (size_t)p * K * 16,
+                             bias ? bias + p * 16 : NULL, y + (size_t)m * N + p * 16, N);
+        for (int m = full; m < M; m += 2)
+            rows2_x_panels(x + (size_t)m * K, M - m < 2 ? 1 : 2, K, wp, bias, y + (size_t)m * N,
+                           N, p0, p1);
     }
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int p = 0; p < panels; p++)
-        panel_all_rows(x, wp + (size_t)p * K * 16, bias ? bias + p * 16 : NULL, y + p * 16, M, N,
-                       K);
 }
 
 #else

@@ -4,7 +4,7 @@ Each ``nn.Linear`` becomes a ``PackedLinear`` that holds its weight in the layou
 fast kernels read, packed once at start:
 
 - float32 on CPUs with AVX2 and FMA but no AVX-512: only the sgemm kernel's panels
-  (``kernels.sgemm_cpu``), for every row count: 1.15-1.45x oneDNN's speed there from 1 to
+  (``kernels.sgemm_cpu``), for every row count: 1.15-1.7x oneDNN's speed there from 1 to
   512 rows (``bench/sgemm_cpu.py``), and one copy of the weights rather than two;
 - otherwise oneDNN's blocked layout for this CPU (AMX tiles, AVX-512 or AVX2), for every
   row count;
