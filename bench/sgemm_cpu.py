@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.compare import machine  # noqa: E402
-from bench.gemm_ceiling import Shapes  # noqa: E402
+from bench.gemm_ceiling import Shapes, fused  # noqa: E402
 from bench.results_md import replace_section  # noqa: E402
 from kernels import sgemm_cpu  # noqa: E402
 from services.engine.prepare_model import resolve_model  # noqa: E402
@@ -30,9 +30,9 @@ from services.engine.prepare_model import resolve_model  # noqa: E402
 
 def step_shapes(s: Shapes) -> list[tuple[int, int]]:
     """(N, K) of every linear of one step, in order, as the engine fuses them."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    layer = [(q + 2 * kv, s.hidden), (s.hidden, q), (2 * s.intermediate, s.hidden)]
-    layer.append((s.hidden, s.intermediate))
+    (qkv_k, qkv_n), (up_k, up_n) = fused(s)
+    _, _, _, (o_k, o_n), _, _, (down_k, down_n) = s.linears()
+    layer = [(qkv_n, qkv_k), (o_n, o_k), (up_n, up_k), (down_n, down_k)]
     return layer * s.layers + [(s.vocab, s.hidden)]
 
 

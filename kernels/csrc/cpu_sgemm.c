@@ -29,14 +29,12 @@ void pd_sgemm_pack(const float* w, float* out, int N, int K) {
                 out[((size_t)p * K + k) * 16 + j] = w[(size_t)(p * 16 + j) * K + k];
 }
 
-/* Up to 6 rows of x (R of them real; a block of fewer reads row 0 again in place of the
- * missing ones and stores only its R rows) against one 16-column panel: 12 accumulators,
- * 2 weight loads and 6 broadcasts per k. */
-static void rows_x_panel(const float* x, int R, int K, const float* panel, const float* bias,
-                         float* y, int ldy) {
-    const float* a[6];
-    for (int r = 0; r < 6; r++) a[r] = x + (size_t)(r < R ? r : 0) * K;
-    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+/* 6 rows of x against one 16-column panel: 12 accumulators, 2 weight loads and 6
+ * broadcasts per k. */
+static void rows6_x_panel(const float* x, int K, const float* panel, const float* bias,
+                          float* y, int ldy) {
+    const float *a0 = x, *a1 = x + (size_t)K, *a2 = x + 2 * (size_t)K;
+    const float *a3 = x + 3 * (size_t)K, *a4 = x + 4 * (size_t)K, *a5 = x + 5 * (size_t)K;
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int k = 0; k < K; k++) {
@@ -60,7 +58,7 @@ static void rows_x_panel(const float* x, int R, int K, const float* panel, const
     const __m256 zero = _mm256_setzero_ps();
     const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : zero;
     const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : zero;
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < 6; r++) {
         _mm256_storeu_ps(y + (size_t)r * ldy, _mm256_add_ps(acc[2 * r], bias0));
         _mm256_storeu_ps(y + (size_t)r * ldy + 8, _mm256_add_ps(acc[2 * r + 1], bias1));
     }
@@ -69,7 +67,7 @@ static void rows_x_panel(const float* x, int R, int K, const float* panel, const
 /* Up to 2 rows of x (R of them real) against panels [p0, p1) (at most 3): the rows that
  * do not fill a 6-row block. A 2 x 16 block would leave the FMA units waiting on their
  * own latency (4 accumulators); 2 rows x 3 panels keep 12 chains going, as the 6-row
- * block does. Each output is still one sum over k in order, as in rows_x_panel. */
+ * block does. Each output is still one sum over k in order, as in rows6_x_panel. */
 static void rows2_x_panels(const float* x, int R, int K, const float* wp, const float* bias,
                            float* y, int ldy, int p0, int p1) {
     const float* b[3];
@@ -121,8 +119,8 @@ void pd_sgemm_linear(const float* x, const float* wp, const float* bias, float* 
         const int p0 = 3 * g, p1 = p0 + 3 < panels ? p0 + 3 : panels;
         for (int p = p0; p < p1; p++)
             for (int m = 0; m < full; m += 6)
-                rows_x_panel(x + (size_t)m * K, 6, K, wp + (size_t)p * K * 16,
-                             bias ? bias + p * 16 : NULL, y + (size_t)m * N + p * 16, N);
+                rows6_x_panel(x + (size_t)m * K, K, wp + (size_t)p * K * 16,
+                              bias ? bias + p * 16 : NULL, y + (size_t)m * N + p * 16, N);
         for (int m = full; m < M; m += 2)
             rows2_x_panels(x + (size_t)m * K, M - m < 2 ? 1 : 2, K, wp, bias, y + (size_t)m * N,
                            N, p0, p1);

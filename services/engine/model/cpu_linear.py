@@ -21,6 +21,8 @@ takes the packed weights as inputs), else the Python ``pdserve::cpu_linear``.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -103,9 +105,7 @@ class PackedLinear(nn.Module):
 
 def describe(packed: list[PackedLinear]) -> str:
     """How many packed linears hold which layouts, e.g. "121 sgemm" (for the start log)."""
-    counts: dict[str, int] = {}
-    for linear in packed:
-        counts[linear.kinds()] = counts.get(linear.kinds(), 0) + 1
+    counts = Counter(linear.kinds() for linear in packed)
     return ", ".join(f"{n} {kinds}" for kinds, n in counts.items()) or "none"
 
 
