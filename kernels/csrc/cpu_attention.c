@@ -14,8 +14,8 @@
  * with fewer, a task is one (sequence, kv head), so that the threads have work to share.
  * The AVX-512 paths are specialised for the common group sizes and head dims (so that q
  * and the accumulators stay in registers) and give equal results; on CPUs with AVX2 and
- * FMA but no AVX-512, head dims of 32, 64 and 128 take an 8-lane path; other shapes and
- * other CPUs take the portable loops.
+ * FMA but no AVX-512, head dims of 32, 64 and 128 take an 8-lane path, which also gives
+ * equal results in both splits; other shapes and other CPUs take the portable loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,6 +45,12 @@ static inline float ld_f32(const float* p) { return *p; }
 static inline float ld_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
 static inline void st_f32(float* p, float v) { *p = v; }
 static inline void st_bf16(uint16_t* p, float v) { *p = f32_to_bf16(v); }
+
+/* The element offset of token t of a sequence (its block from the table, then its row). */
+static inline int64_t token_at(const int32_t* table, int t, int block_size, int64_t blk_s,
+                               int64_t tok_s) {
+    return table[t / block_size] * blk_s + (int64_t)(t % block_size) * tok_s;
+}
 
 /* ---- KV cache write ------------------------------------------------------------------ */
 
@@ -107,10 +113,16 @@ DEFINE_DECODE_PORTABLE(bf16, uint16_t, ld_bf16, st_bf16)
 
 /* ---- decode attention: AVX2 path ---------------------------------------------------------- */
 
-/* CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel): the portable task with
- * its dot products, softmax and V sums in 8-lane vectors. The portable dot is one long
- * dependent chain of scalar adds (the compiler may not reorder them); here each dot is two
- * vector chains and a horizontal sum. D is a multiple of 8, up to 128. */
+/* CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, older Intel). A task is one sequence's
+ * kv heads hk0..hk1-1 (all of them, or one when there are too few sequences to share out).
+ * Scores go 8 tokens at a time (8 partial dots, then one transposing sum for the 8), and
+ * the V sums a block at a time; each tile's K (then V) rows of the task's heads are read
+ * together, which in head-major blocks is one contiguous run per block (3 times longer
+ * than a single head's, and read faster from memory). A head's arithmetic does not depend
+ * on which other heads share its task, so a sequence gets equal results in either split:
+ * the query scaled in fp32; each score one 8-lane chain over d, then a fixed tree over the
+ * lanes; exp(score - max) in 8 lanes; the V sum over tokens in order; the division by the
+ * sum of the exps last. D = 8 C with C 4, 8 or 16; block_size a multiple of 8. */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define HAVE_AVX2 1
 static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
@@ -118,12 +130,32 @@ static inline __m256 load8_bf16(const uint16_t* p) {
     const __m128i bits = _mm_loadu_si128((const __m128i*)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+static inline void store8_f32(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void store8_bf16(uint16_t* p, __m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) p[i] = f32_to_bf16(lanes[i]);
+}
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one vector. */
+static inline __m256 transpose_sum8(const __m256* a) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
 /* exp(x) for x <= 0: exp512's polynomial in 8 lanes, 2^n built in the exponent bits. */
@@ -144,117 +176,135 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 
-/* The softmax of one head's scores[0..len) in place (exp(s - max)); returns their sum. */
-static inline float softmax8(float* sc, int len) {
-    __m256 vmx = _mm256_set1_ps(-INFINITY);
-    int t = 0;
-    for (; t + 8 <= len; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + t));
-    float mx = -INFINITY;
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vmx);
-    for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-    for (; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
-    const __m256 m = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= len; t += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
-        _mm256_storeu_ps(sc + t, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    if (t < len) { /* the tail through a padded copy, so that every exp is exp256's */
-        float tail[8];
-        for (int i = 0; i < 8; i++) tail[i] = t + i < len ? sc[t + i] : mx;
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), m));
-        _mm256_storeu_ps(tail, e);
-        for (int i = 0; i < 8; i++) {
-            if (t + i < len) sc[t + i] = tail[i];
-            else tail[i] = 0.f; /* padding lanes add nothing to the sum */
-        }
-        vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(tail));
-    }
-    return hsum8(vsum);
+/* Lanes 0..n-1 all ones, the others zero. */
+static inline __m256 first_lanes(int n) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-/* One (sequence, kv head) task with C = D / 8 vectors per row, C a constant at each call
- * site (so the V sums stay in registers). qf: G * D floats of scratch. */
-#define DEFINE_DECODE_AVX2(SFX, T, LOAD8, ST)                                                   \
-    static inline __attribute__((always_inline)) void decode_avx2_##SFX(                      \
+/* work: 2 * nh * D + 8 * nh floats, 32-byte aligned (nh = (hk1 - hk0) * G); scores:
+ * nh rows of stride_g floats. C is a constant at each call site. */
+#define DEFINE_DECODE_SEQ_AVX2(SFX, T)                                                         \
+    static inline __attribute__((always_inline)) void decode_seq_avx2_##SFX(                 \
         const T* q, int64_t q_ts, int64_t q_hs, const T* kc, const T* vc, int64_t blk_s,      \
-        int64_t tok_s, int64_t head_s, const int32_t* table, int len, int s, int hk, int H,   \
-        int G, const int C, int block_size, float scale, T* out, float* scores,               \
-        int64_t stride_g, float* qf) {                                                        \
-        const int D = 8 * C;                                                                  \
-        for (int g = 0; g < G; g++) {                                                         \
-            const T* qp = q + s * q_ts + (int64_t)(hk * G + g) * q_hs;                        \
-            for (int c = 0; c < C; c++) _mm256_storeu_ps(qf + g * D + 8 * c, LOAD8(qp + 8 * c)); \
-        }                                                                                     \
-        for (int t = 0; t < len; t++) {                                                       \
-            const T* kp = kc + table[t / block_size] * blk_s + (int64_t)(t % block_size) * tok_s + \
-                          hk * head_s;                                                        \
-            for (int g = 0; g < G; g++) {                                                     \
-                const float* qg = qf + g * D;                                                 \
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                    \
-                int c = 0;                                                                    \
-                for (; c + 2 <= C; c += 2) {                                                  \
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), LOAD8(kp + 8 * c), a0);  \
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), LOAD8(kp + 8 * c + 8), a1); \
-                }                                                                             \
-                if (c < C) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), LOAD8(kp + 8 * c), a0); \
-                scores[g * stride_g + t] = hsum8(_mm256_add_ps(a0, a1)) * scale;               \
-            }                                                                                 \
-        }                                                                                     \
-        for (int g = 0; g < G; g++) {                                                         \
-            float* sc = scores + g * stride_g;                                                \
-            const float sum = softmax8(sc, len);                                              \
-            __m256 acc[16];                                                                   \
-            for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();                         \
-            for (int t = 0; t < len; t++) {                                                   \
-                const T* vp = vc + table[t / block_size] * blk_s +                            \
-                              (int64_t)(t % block_size) * tok_s + hk * head_s;                \
-                const __m256 p = _mm256_set1_ps(sc[t]);                                       \
-                for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(p, LOAD8(vp + 8 * c), acc[c]); \
-            }                                                                                 \
-            T* op = out + ((int64_t)s * H + hk * G + g) * D;                                  \
-            const __m256 vs = _mm256_set1_ps(sum);                                            \
-            float lanes[8];                                                                   \
+        int64_t tok_s, int64_t head_s, const int32_t* table, int len, int s, int hk0,         \
+        int hk1, int H, int G, const int C, int block_size, float scale, T* out,              \
+        float* scores, int64_t stride_g, float* work) {                                       \
+        const int nh = (hk1 - hk0) * G, D = 8 * C, h0 = hk0 * G;                              \
+        float* qf = work;            /* [nh][D]: the scaled query */                          \
+        float* accf = work + nh * D; /* [nh][D]: the V sums */                                \
+        float* mxf = accf + nh * D;  /* [nh][8]: running maxima */                            \
+        const __m256 scv = _mm256_set1_ps(scale);                                             \
+        for (int i = 0; i < nh; i++) {                                                        \
+            const T* qp = q + s * q_ts + (int64_t)(h0 + i) * q_hs;                            \
             for (int c = 0; c < C; c++) {                                                     \
-                _mm256_storeu_ps(lanes, _mm256_div_ps(acc[c], vs));                           \
-                for (int i = 0; i < 8; i++) ST(op + 8 * c + i, lanes[i]);                     \
+                _mm256_store_ps(qf + i * D + 8 * c, _mm256_mul_ps(load8_##SFX(qp + 8 * c), scv)); \
+                _mm256_store_ps(accf + i * D + 8 * c, _mm256_setzero_ps());                   \
             }                                                                                 \
+            _mm256_store_ps(mxf + 8 * i, _mm256_set1_ps(-INFINITY));                          \
+        }                                                                                     \
+        const int nk = hk1 - hk0;                                                             \
+        for (int t0 = 0; t0 < len; t0 += 8) {                                                 \
+            const int tn = len - t0 < 8 ? len - t0 : 8;                                       \
+            const T* kt = kc + token_at(table, t0, block_size, blk_s, tok_s) + hk0 * head_s;  \
+            const __m256 valid = first_lanes(tn);                                             \
+            for (int k = 0; k < nk; k++) {                                                    \
+                const T* kb = kt + k * head_s;                                                \
+                for (int g = 0; g < G; g++) {                                                 \
+                    const int i = k * G + g;                                                  \
+                    const float* qg = qf + i * D;                                             \
+                    __m256 part[8];                                                           \
+                    for (int j = 0; j < 8; j++) {                                             \
+                        const T* kp = kb + (int64_t)(j < tn ? j : 0) * tok_s;                 \
+                        __m256 x = _mm256_mul_ps(_mm256_load_ps(qg), load8_##SFX(kp));        \
+                        for (int c = 1; c < C; c++)                                           \
+                            x = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * c), load8_##SFX(kp + 8 * c), x); \
+                        part[j] = x;                                                          \
+                    }                                                                         \
+                    const __m256 d = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),              \
+                                                      transpose_sum8(part), valid);           \
+                    _mm256_storeu_ps(scores + i * stride_g + t0, d);                          \
+                    _mm256_store_ps(mxf + 8 * i, _mm256_max_ps(_mm256_load_ps(mxf + 8 * i), d)); \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < nh; i++) {                                                        \
+            const __m256 m = _mm256_set1_ps(hmax8(_mm256_load_ps(mxf + 8 * i)));              \
+            float* p = scores + i * stride_g;                                                 \
+            __m256 sum = _mm256_setzero_ps();                                                 \
+            for (int t0 = 0; t0 < len; t0 += 8) {                                             \
+                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t0), m));                 \
+                if (len - t0 < 8) e = _mm256_and_ps(e, first_lanes(len - t0));                \
+                _mm256_storeu_ps(p + t0, e);                                                  \
+                sum = _mm256_add_ps(sum, e);                                                  \
+            }                                                                                 \
+            mxf[8 * i] = hsum8(sum); /* the maxima are done with */                          \
+        }                                                                                     \
+        for (int t0 = 0; t0 < len; t0 += block_size) {                                        \
+            const int tn = len - t0 < block_size ? len - t0 : block_size;                     \
+            const T* vt = vc + token_at(table, t0, block_size, blk_s, tok_s) + hk0 * head_s;  \
+            for (int k = 0; k < nk; k++) {                                                    \
+                const T* vb = vt + k * head_s;                                                \
+                for (int g = 0; g < G; g++) {                                                 \
+                    const int i = k * G + g;                                                  \
+                    const float* p = scores + i * stride_g + t0;                              \
+                    for (int c0 = 0; c0 < C; c0 += 8) {                                       \
+                        const int cn = C - c0 < 8 ? C - c0 : 8;                               \
+                        __m256 acc[8];                                                        \
+                        for (int c = 0; c < cn; c++) acc[c] = _mm256_load_ps(accf + i * D + 8 * (c0 + c)); \
+                        for (int j = 0; j < tn; j++) {                                        \
+                            const T* vp = vb + (int64_t)j * tok_s + 8 * c0;                   \
+                            const __m256 pj = _mm256_set1_ps(p[j]);                           \
+                            for (int c = 0; c < cn; c++)                                      \
+                                acc[c] = _mm256_fmadd_ps(pj, load8_##SFX(vp + 8 * c), acc[c]); \
+                        }                                                                     \
+                        for (int c = 0; c < cn; c++) _mm256_store_ps(accf + i * D + 8 * (c0 + c), acc[c]); \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < nh; i++) {                                                        \
+            T* op = out + ((int64_t)s * H + h0 + i) * D;                                      \
+            const __m256 sv = _mm256_set1_ps(mxf[8 * i]);                                     \
+            for (int c = 0; c < C; c++)                                                       \
+                store8_##SFX(op + 8 * c, _mm256_div_ps(_mm256_load_ps(accf + i * D + 8 * c), sv)); \
         }                                                                                     \
     }                                                                                         \
     /* 1 when a specialised C took the task, else 0 (the portable loops run it). */          \
-    static int decode_task_avx2_##SFX(const T* q, int64_t q_ts, int64_t q_hs, const T* kc,    \
-                                      const T* vc, int64_t blk_s, int64_t tok_s,              \
-                                      int64_t head_s, const int32_t* table, int len, int s,   \
-                                      int hk, int H, int G, int D, int block_size,            \
-                                      float scale, T* out, float* scores, int64_t stride_g,   \
-                                      float* qf) {                                            \
+    static int decode_avx2_##SFX(const T* q, int64_t q_ts, int64_t q_hs, const T* kc,         \
+                                 const T* vc, int64_t blk_s, int64_t tok_s, int64_t head_s,   \
+                                 const int32_t* table, int len, int s, int hk0, int hk1,      \
+                                 int H, int G, int D, int block_size, float scale, T* out,    \
+                                 float* scores, int64_t stride_g, float* work) {              \
+        if (block_size % 8) return 0;                                                         \
         switch (D) {                                                                          \
             case 64:                                                                          \
-                decode_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s,  \
-                                  hk, H, G, 8, block_size, scale, out, scores, stride_g, qf); \
+                decode_seq_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, \
+                                      s, hk0, hk1, H, G, 8, block_size, scale, out, scores,   \
+                                      stride_g, work);                                        \
                 return 1;                                                                     \
             case 128:                                                                         \
-                decode_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s,  \
-                                  hk, H, G, 16, block_size, scale, out, scores, stride_g, qf); \
+                decode_seq_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, \
+                                      s, hk0, hk1, H, G, 16, block_size, scale, out, scores,  \
+                                      stride_g, work);                                        \
                 return 1;                                                                     \
             case 32:                                                                          \
-                decode_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s,  \
-                                  hk, H, G, 4, block_size, scale, out, scores, stride_g, qf); \
+                decode_seq_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, \
+                                      s, hk0, hk1, H, G, 4, block_size, scale, out, scores,   \
+                                      stride_g, work);                                        \
                 return 1;                                                                     \
         }                                                                                     \
         return 0;                                                                             \
     }
 
-DEFINE_DECODE_AVX2(f32, float, load8_f32, st_f32)
-DEFINE_DECODE_AVX2(bf16, uint16_t, load8_bf16, st_bf16)
-#define AVX2_CALL(SFX)                                                                         \
-    decode_task_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s, hk, H,  \
-                           G, D, block_size, scale, out, scores, stride_g, work)
+DEFINE_DECODE_SEQ_AVX2(f32, float)
+DEFINE_DECODE_SEQ_AVX2(bf16, uint16_t)
+#define AVX2_CALL(SFX, HK0, HK1)                                                               \
+    decode_avx2_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s, table, len, s, HK0, HK1, H, \
+                      G, D, block_size, scale, out, scores, stride_g, work)
 #else
 #define HAVE_AVX2 0
-#define AVX2_CALL(SFX) 0
+#define AVX2_CALL(SFX, HK0, HK1) 0
 #endif
 
 /* ---- decode attention: AVX-512 path ------------------------------------------------------ */
@@ -304,12 +354,6 @@ static inline void prefetch_rows(const void* p, int64_t stride_bytes, int row_by
     const char* base = (const char*)p;
     for (int r = 0; r < 16; r++)
         for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(base + r * stride_bytes + b, _MM_HINT_T0);
-}
-
-/* The element offset of token t of a sequence (its block from the table, then its row). */
-static inline int64_t token_at(const int32_t* table, int t, int block_size, int64_t blk_s,
-                               int64_t tok_s) {
-    return table[t / block_size] * blk_s + (int64_t)(t % block_size) * tok_s;
 }
 
 /* prefetch_rows for each of hkv heads, head_bytes apart. */
@@ -586,14 +630,17 @@ DEFINE_SEQ_DISPATCH(bf16, uint16_t)
         for (int s = 0; s < S; s++)                                                           \
             if (seq_lens[s] > max_len) max_len = seq_lens[s];                                 \
         const int64_t stride_g = ((int64_t)max_len + 31) & ~(int64_t)15;                      \
-        /* With enough sequences to share out, a task is a whole sequence (SEQ_CALL: its   \
-         * heads read block by block); else one task per (sequence, kv head). */          \
-        const int per_seq = fast && S >= 4 * nthreads && G <= 8 && (C == 2 || C == 4 || C == 8); \
+        /* With enough sequences to share out, a task is a whole sequence (SEQ_CALL or    \
+         * AVX2_CALL over every kv head: its heads read block by block); else one task per  \
+         * (sequence, kv head). */                                                          \
+        const int avx2 = HAVE_AVX2 && block_size % 8 == 0 && (D == 32 || D == 64 || D == 128); \
+        const int per_seq = S >= 4 * nthreads &&                                              \
+                            ((fast && G <= 8 && (C == 2 || C == 4 || C == 8)) || avx2);       \
         const int ntasks = per_seq ? S : S * hkv;                                             \
         _Pragma("omp parallel num_threads(nthreads)") {                                       \
             const int rows = per_seq ? H : G;                                                 \
             float* scores = (float*)aligned_alloc(64, sizeof(float) * (size_t)(rows * stride_g)); \
-            float* work = (float*)aligned_alloc(64, sizeof(float) * (size_t)(H * (32 * C + 16) + 16)); \
+            float* work = (float*)aligned_alloc(64, sizeof(float) * (size_t)(H * (2 * D + 16) + 16)); \
             float* acc = (float*)malloc(sizeof(float) * (size_t)D);                           \
             _Pragma("omp for schedule(dynamic)") for (int task = 0; task < ntasks; task++) {   \
                 const int s = per_seq ? task : task / hkv, hk = per_seq ? 0 : task % hkv;     \
@@ -601,8 +648,9 @@ DEFINE_SEQ_DISPATCH(bf16, uint16_t)
                 const int32_t* table = bt + (int64_t)s * bt_s;                                \
                 if (len <= 0) continue;                                                       \
                 if (per_seq) {                                                                \
-                    SEQ_CALL(SFX);                                                            \
-                } else if (!(fast && FAST_CALL(SFX)) && !(HAVE_AVX2 && AVX2_CALL(SFX))) {      \
+                    if (fast) SEQ_CALL(SFX);                                                  \
+                    else (void)AVX2_CALL(SFX, 0, hkv);                                        \
+                } else if (!(fast && FAST_CALL(SFX)) && !(avx2 && AVX2_CALL(SFX, hk, hk + 1))) { \
                     decode_task_portable_##SFX(q, q_ts, q_hs, kc, vc, blk_s, tok_s, head_s,   \
                                                table, len, s, hk, H, G, D, block_size, scale, \
                                                out, scores, acc);                             \

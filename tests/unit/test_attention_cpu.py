@@ -46,6 +46,7 @@ def _batch(num_blocks, block_size, lens, gen):
         (2, 9, 64, 16),  # group past the specialised sizes: portable loops
         (2, 2, 24, 16),  # head dim not a multiple of 16
         (2, 3, 64, 8),  # block size not a multiple of 16
+        (2, 3, 64, 12),  # nor of 8: portable loops on AVX2
     ],
 )
 @pytest.mark.parametrize("head_major", [True, False])
@@ -79,6 +80,26 @@ def test_decode_of_a_large_batch_matches_the_reference(dtype, hkv, group, d):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got[live], want, atol=tol, rtol=tol)
     assert torch.equal(got[~live], torch.zeros_like(got[~live]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv,group,d", [(3, 3, 64), (2, 4, 32), (1, 8, 128)])
+def test_a_sequence_gets_the_same_result_alone_and_in_a_large_batch(dtype, hkv, group, d):
+    """Alone, a sequence's heads are separate tasks; in a large batch, one task takes all of
+    them. The arithmetic of a head is the same in both, bit for bit: a sequence's output
+    does not depend on the batch it decodes in."""
+    gen = torch.Generator().manual_seed(11 * hkv + d)
+    n = max(16, 4 * torch.get_num_threads())
+    lens = [1 + (53 * i) % 200 for i in range(n)]
+    kc, vc = _caches(4 + sum(-(-x // 16) for x in lens), 16, hkv, d, dtype, True, gen)
+    tables, seq_lens = _batch(kc.shape[0], 16, lens, gen)
+    q = torch.randn(n, hkv * group, d, generator=gen).to(dtype)
+    together = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.1)
+    for i in (0, 5, n - 1):
+        alone = cpu.paged_decode_attention(
+            q[i : i + 1], kc, vc, tables[i : i + 1], seq_lens[i : i + 1], 0.1
+        )
+        assert torch.equal(alone[0], together[i])
 
 
 def test_decode_reads_a_strided_query_and_skips_empty_rows():
