@@ -98,11 +98,13 @@ class RegistrySettings:
     advertise_address: str | None = setting(
         None,
         "HOST:PORT others should dial (default: the bound address; set it when binding "
-        "0.0.0.0, e.g. to the pod IP)",
+        "0.0.0.0 or ::, e.g. to the pod IP; an IPv6 host with or without brackets)",
     )
 
     def __post_init__(self) -> None:
         check(self.registry_ttl > 0, f"--registry-ttl must be positive, got {self.registry_ttl}")
+        if self.advertise_address is not None:
+            check_address(self.advertise_address, "--advertise-address")
 
 
 @dataclass(frozen=True)
@@ -649,6 +651,11 @@ class GatewaySettings:
             ("--migration-wait", self.migration_wait),
         ):
             check(value > 0, f"{flag} must be a positive number of seconds, got {value}")
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def check_address(address: str, what: str) -> None:

@@ -124,11 +124,6 @@ async def start_server(
     return server, port
 
 
-def host_port(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def aio_channel(address: str, trust: Trust | None = None) -> grpc.aio.Channel:
     """An aio channel with the project's message limits and keepalives; with ``trust``, it
     dials TLS where the trust says so and sends the internal token on every call."""

@@ -34,8 +34,8 @@ class StartFailed(RuntimeError):
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (for servers that cannot bind port 0 themselves)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
 
 

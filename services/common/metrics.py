@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.common.grpc_utils import host_port
+from services.common.config import host_port
 
 logger = logging.getLogger(__name__)
 

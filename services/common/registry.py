@@ -31,6 +31,8 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.common.config import host_port
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "kvstore")
@@ -138,9 +140,12 @@ def rendezvous_owner(key: bytes, replicas: Iterable[WorkerInfo]) -> WorkerInfo:
 
 
 def advertised_address(advertise_address: str | None, host: str, port: int) -> str:
-    """The address to register: ``--advertise-address``, else ``host:port`` as bound."""
+    """The address to register: ``--advertise-address``, else ``host:port`` as bound. An
+    IPv6 host comes out in brackets, as gRPC dials it, also when given without (as
+    ``$(POD_IP):PORT`` is on an IPv6 Kubernetes cluster)."""
     if advertise_address:
-        return advertise_address
+        host, _, advertised_port = advertise_address.rpartition(":")
+        return host_port(host.strip("[]"), int(advertised_port))
     if host in ("0.0.0.0", "::", ""):
         return f"{socket.gethostname()}:{port}"
-    return f"{host}:{port}"
+    return host_port(host, port)

@@ -28,7 +28,7 @@ import grpc
 
 from services.common import tracing
 from services.common.command_config import known_env
-from services.common.grpc_utils import host_port
+from services.common.config import host_port
 from services.common.logs import configure_logging
 from services.common.registry_publisher import RegistryPublisher
 from services.common.settings import parse_settings, warn_unknown_env

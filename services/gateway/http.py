@@ -40,6 +40,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if host == "::":  # the IPv6 wildcard takes IPv4 clients too, whatever the sysctl
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         # Inherited by every connection: what a client that stops reading can leave queued
         # in the kernel before its sends wait (and --send-timeout ends its stream).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)

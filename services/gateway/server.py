@@ -21,8 +21,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from services.common import tracing
-from services.common.config import GatewaySettings
-from services.common.grpc_utils import host_port, start_server
+from services.common.config import GatewaySettings, host_port
+from services.common.grpc_utils import start_server
 from services.common.model import ModelConfig, locate_model
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from services.common.redaction import redact_url

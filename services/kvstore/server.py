@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from services.common import tracing
-from services.common.config import KVStoreSettings
-from services.common.grpc_utils import STREAM_CHUNK_BYTES, host_port, start_server
+from services.common.config import KVStoreSettings, host_port
+from services.common.grpc_utils import STREAM_CHUNK_BYTES, start_server
 from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout, LayoutMismatch, show_key
 from services.common.kv_client import batched_by_bytes
 from services.common.metrics import metrics_server_address, start_metrics

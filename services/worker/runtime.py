@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import grpc
 
-from services.common.config import DecodeSettings, PrefillSettings
-from services.common.grpc_utils import host_port, start_server
+from services.common.config import DecodeSettings, PrefillSettings, host_port
+from services.common.grpc_utils import start_server
 from services.common.metrics import metrics_server_address, start_metrics
 from services.common.registry_publisher import RegistryPublisher, publisher_for
 from services.common.service import Serving

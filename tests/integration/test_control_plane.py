@@ -19,6 +19,7 @@ import pytest
 from services.common.block_hash import prompt_block_hashes
 from services.common.fingerprint import model_fingerprint
 from services.common.grpc_utils import aio_channel
+from services.common.launcher import free_port
 from services.common.pb import (
     common_pb2,
     decode_pb2,
@@ -436,3 +437,50 @@ async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
     finally:
         await view.close()
     assert cluster.unhandled_errors() == []
+
+
+async def test_a_cluster_on_ipv6_addresses_serves_and_registers_dialable_addresses(
+    tiny_llama_path, redis_server, cluster
+):
+    """As on an IPv6 Kubernetes cluster: every server binds an IPv6 address (the loopback
+    here) and each worker advertises ``$(POD_IP):PORT`` as the chart writes it, the IPv6
+    address unbracketed. The registry holds addresses a gRPC client can dial, metrics are
+    scraped at theirs, and a request goes through every pool."""
+    url, prefix = redis_server.url, "ipv6"
+    specs = []
+    for name, module, *args in worker_specs(tiny_llama_path, url, prefix):
+        port = free_port("::1")
+        specs.append((name, module, *args, "--host", "::1", "--port", str(port),
+                      "--advertise-address", f"::1:{port}", "--metrics-port", "0"))  # fmt: skip
+    start_all(cluster, specs)
+    gw = start_gateway(cluster, "gateway", tiny_llama_path, url, prefix, "--host", "::1")
+    view = RegistryView(url, prefix=prefix, refresh_s=0.1)
+    await view.start()
+    try:
+        await until(lambda: asyncio.sleep(0, len(view.workers()) == 3), what="registrations")
+        for w in view.workers():
+            assert w.address.startswith("[::1]:"), w
+            assert w.metrics_address.startswith("[::1]:"), w
+            assert "pdserve:" in httpx.get(f"http://{w.metrics_address}/metrics", timeout=10).text
+        assert gw.address.startswith("[::1]:") and gw.http_address.startswith("[::1]:")
+        want = (
+            LLM(str(tiny_llama_path), dtype="float32")
+            .generate(
+                [prompts(7, 1, 40)[0]],
+                SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+            )[0]
+            .token_ids
+        )
+        assert await generate(gw.address, prompts(7, 1, 40)[0], "v6") == list(want)
+        base = f"http://{gw.http_address}/v1"
+        model = httpx.get(f"{base}/models", timeout=10).json()["data"][0]["id"]
+        completion = httpx.post(
+            f"{base}/completions",
+            json={"model": model, "prompt": prompts(7, 1, 40)[0], "max_tokens": MAX_NEW,
+                  "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )  # fmt: skip
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["choices"][0]["text"]
+    finally:
+        await view.close()

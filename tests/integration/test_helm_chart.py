@@ -106,6 +106,7 @@ def test_the_validation_can_fail(rendered):
         ({"model.source": "pvc"}, "claimName"),
         ({"internalToken.value": "short"}, "/internalToken/value"),
         ({"decode.autoscaling.keda.enabled": True}, "query"),
+        ({"listenAddress": "127.0.0.1"}, "listenAddress"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -274,6 +275,22 @@ def test_gpu_decode_pool_beside_a_cpu_prefill_pool(rendered):
     )
     assert (flag(d, "device"), flag(p, "device")) == ("cuda", "cpu")
     assert flag(d, "dtype") == flag(p, "dtype") and flag(d, "block-size") == flag(p, "block-size")
+
+
+@pytest.mark.parametrize(("set_id", "host", "redis_bind"), [("default", "0.0.0.0", ["0.0.0.0"]),
+                                                          ("ipv6", "::", ["*", "::*"])])  # fmt: skip
+def test_every_server_listens_on_the_listen_address(rendered, set_id, host, redis_bind):
+    deployments = of_kind(rendered[set_id], "Deployment").values()
+    for deployment in deployments:
+        c = deployment["spec"]["template"]["spec"]["containers"][0]
+        if c["command"][0] == "pdserve":
+            assert flag(c, "host") == host, c["name"]
+        elif c["command"] == ["valkey-server"]:
+            args = c["args"]
+            at = args.index("--bind") + 1
+            assert args[at : at + len(redis_bind)] == redis_bind
+            assert args[at + len(redis_bind)].startswith("--")
+    assert any(c == "redis" for c in map(component, deployments))
 
 
 def test_notes_tell_how_to_reach_the_gateway_and_run_status():

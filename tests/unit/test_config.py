@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from services.common.config import EngineArgs
+from services.common.config import EngineArgs, RegistrySettings
+from services.common.registry import advertised_address
 from services.common.sizes import parse_size
 
 
@@ -87,3 +88,27 @@ def test_engine_args_unreadable_kv_cache_memory_names_the_flag():
 )
 def test_engine_args_accept_good_values(kwargs):
     EngineArgs(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "given,registered",
+    [
+        ("10.0.3.7:50081", "10.0.3.7:50081"),
+        ("fd00::3:7:50081", "[fd00::3:7]:50081"),  # $(POD_IP):PORT on an IPv6 cluster
+        ("[fd00::3:7]:50081", "[fd00::3:7]:50081"),
+        ("decode-0.pdserve:50081", "decode-0.pdserve:50081"),
+    ],
+)
+def test_an_advertised_address_is_registered_dialable(given, registered):
+    assert advertised_address(RegistrySettings(advertise_address=given).advertise_address,
+                              "0.0.0.0", 1) == registered  # fmt: skip
+
+
+def test_a_bound_ipv6_host_is_registered_in_brackets():
+    assert advertised_address(None, "::1", 50081) == "[::1]:50081"
+
+
+@pytest.mark.parametrize("given", ["10.0.3.7", "pod-ip", "10.0.3.7:port", ":50081"])
+def test_an_advertise_address_without_a_port_is_refused(given):
+    with pytest.raises(ValueError, match="--advertise-address .* is not HOST:PORT"):
+        RegistrySettings(advertise_address=given)
