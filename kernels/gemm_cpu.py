@@ -13,6 +13,7 @@ from functools import cache
 
 import torch
 
+from kernels import packed_gemm
 from kernels.cpu_build import KernelBuildError, bind, load
 
 
@@ -46,29 +47,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     kern = _kernels()
     if kern is None or not supports(weight):
         raise ValueError(f"no AMX packing for a {tuple(weight.shape)} {weight.dtype} weight")
-    w = weight.detach().contiguous()
-    out = torch.empty(w.numel(), dtype=torch.bfloat16)
-    kern["pack"](w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
-    return out
+    return packed_gemm.pack(kern["pack"], weight, torch.bfloat16)
 
 
 def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """[M, K] bf16 -> [M, out_features] bf16 through an AMX-packed weight."""
-    kern = _kernels()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    kern["linear"](
-        x.data_ptr(),
-        packed.data_ptr(),
-        None if bias is None else bias.to(torch.bfloat16).contiguous().data_ptr(),
-        y.data_ptr(),
-        m,
-        out_features,
-        k,
-        torch.get_num_threads(),
-    )
-    return y
+    return packed_gemm.linear(_kernels()["linear"], x, packed, bias, out_features, torch.bfloat16)

@@ -15,6 +15,7 @@ from functools import cache
 
 import torch
 
+from kernels import packed_gemm
 from kernels.cpu_build import KernelBuildError, bind, load
 
 
@@ -50,34 +51,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     kern = _kernels()
     if kern is None or not supports(weight):
         raise ValueError(f"no sgemm packing for a {tuple(weight.shape)} {weight.dtype} weight")
-    w = weight.detach().contiguous()
-    out = torch.empty(w.numel(), dtype=torch.float32)
-    kern["pack"](w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
-    return out
+    return packed_gemm.pack(kern["pack"], weight, torch.float32)
 
 
 def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """[M, K] float32 -> [M, out_features] float32 through a packed weight."""
-    kern = _kernels()
-    if x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"the sgemm kernel takes [M, K] float32 inputs, not {x.dtype} {x.shape}")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    m, k = x.shape
-    if packed.numel() != k * out_features:
-        raise ValueError(f"a packed {packed.numel()}-value weight is not [{out_features}, {k}]")
-    y = torch.empty(m, out_features, dtype=torch.float32)
-    b = None if bias is None else bias.to(torch.float32).contiguous()
-    kern["linear"](
-        x.data_ptr(),
-        packed.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        m,
-        out_features,
-        k,
-        torch.get_num_threads(),
-    )
-    return y
+    return packed_gemm.linear(_kernels()["linear"], x, packed, bias, out_features, torch.float32)

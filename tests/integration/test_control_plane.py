@@ -454,6 +454,7 @@ async def test_a_cluster_on_ipv6_addresses_serves_and_registers_dialable_address
                       "--advertise-address", f"::1:{port}", "--metrics-port", "0"))  # fmt: skip
     start_all(cluster, specs)
     gw = start_gateway(cluster, "gateway", tiny_llama_path, url, prefix, "--host", "::1")
+    prompt = prompts(7, 1, 40)[0]
     view = RegistryView(url, prefix=prefix, refresh_s=0.1)
     await view.start()
     try:
@@ -466,17 +467,17 @@ async def test_a_cluster_on_ipv6_addresses_serves_and_registers_dialable_address
         want = (
             LLM(str(tiny_llama_path), dtype="float32")
             .generate(
-                [prompts(7, 1, 40)[0]],
+                [prompt],
                 SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
             )[0]
             .token_ids
         )
-        assert await generate(gw.address, prompts(7, 1, 40)[0], "v6") == list(want)
+        assert await generate(gw.address, prompt, "v6") == list(want)
         base = f"http://{gw.http_address}/v1"
         model = httpx.get(f"{base}/models", timeout=10).json()["data"][0]["id"]
         completion = httpx.post(
             f"{base}/completions",
-            json={"model": model, "prompt": prompts(7, 1, 40)[0], "max_tokens": MAX_NEW,
+            json={"model": model, "prompt": prompt, "max_tokens": MAX_NEW,
                   "temperature": 0, "ignore_eos": True},
             timeout=60,
         )  # fmt: skip
