@@ -12,7 +12,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends make \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml Makefile README.md ./
+COPY pyproject.toml Makefile README.md LICENSE ./
 COPY constraints/ constraints/
 COPY docker/ docker/
 COPY services/ services/

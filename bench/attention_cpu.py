@@ -1,4 +1,4 @@
-"""Decode attention on the CPU: the C kernel (``kernels.attention_cpu``) against the torch
+"""Decode attention on the CPU: the C kernel (``pdserve.kernels.attention_cpu``) against the torch
 reference (gather + SDPA), at SmolLM2-135M's shapes, in the engine's cache layout.
 
     .venv/bin/python bench/attention_cpu.py [--dtype float32] [--batches 1,16,32]
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.top_p import median_ms  # noqa: E402
-from kernels import attention_cpu, attention_ref  # noqa: E402
+from pdserve.kernels import attention_cpu, attention_ref  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from services.engine import LLM, SamplingParams  # noqa: E402
-from services.engine.prepare_model import resolve_model  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.prepare_model import resolve_model  # noqa: E402
 from tests.integration.test_exactness_smollm2 import CHATS  # noqa: E402
 from tests.reference import hf_greedy  # noqa: E402
 

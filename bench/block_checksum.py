@@ -4,7 +4,7 @@ A SmolLM2-135M block: 16 tokens x 30 layers x 2 (K, V) x 3 KV heads x 64 dims, i
 (368,640 bytes) and float32 (737,280). Each candidate hashes random blocks; the median of
 --repeats passes over --num-blocks blocks gives microseconds per block and GB/s. The
 prefill worker pays one checksum per block it pushes, the decode worker one per block it
-fetches (``services/common/kv_blocks.py``, ``block_checksum``).
+fetches (``services/kv/blocks.py``, ``block_checksum``).
 
     .venv/bin/python bench/block_checksum.py
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.common.kv_blocks import block_checksum  # noqa: E402
+from pdserve.kv.blocks import block_checksum  # noqa: E402
 
 CANDIDATES: dict[str, Callable[[bytes], object]] = {
     "zlib.crc32": zlib.crc32,

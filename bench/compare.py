@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from services.common.launcher import Child, Launcher, StartFailed, free_port  # noqa: E402
+from pdserve.local.launcher import Child, Launcher, StartFailed, free_port  # noqa: E402
 
 PDSERVE = str(ROOT / ".venv/bin/pdserve")
 PYTHON = str(ROOT / ".venv/bin/python")
@@ -388,7 +388,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from services.common.model import locate_model
+    from pdserve.core.model import locate_model
 
     model = locate_model(str(args.model) if args.model else None)
     (OUT / "logs").mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import compare  # noqa: E402
-from services.common.launcher import Launcher, free_port  # noqa: E402
-from services.common.model import locate_model  # noqa: E402
+from pdserve.core.model import locate_model  # noqa: E402
+from pdserve.local.launcher import Launcher, free_port  # noqa: E402
 
 LAYOUTS = {
     "split": ["--cpu-layout", "split"],

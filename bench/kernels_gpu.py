@@ -2,10 +2,10 @@
 
     python bench/kernels_gpu.py [--quick] [--out bench/out/kernels_gpu.json] [--write-results]
 
-For each shape it first checks the kernel against ``kernels.attention_ref`` on the
+For each shape it first checks the kernel against ``pdserve.kernels.attention_ref`` on the
 GPU, then times with ``triton.testing.do_bench`` (median, L2 flushed between runs):
   - the Triton kernel;
-  - the torch reference (``kernels.attention_ref``: gathers the paged K/V, then SDPA);
+  - the torch reference (``pdserve.kernels.attention_ref``: gathers the paged K/V, then SDPA);
   - ``F.scaled_dot_product_attention`` on K/V gathered beforehand into contiguous
     [batch, kv_heads, tokens, head_dim] tensors: the gather is NOT timed, so this is
     the attention math alone on an ideal layout.
@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from kernels import attention_ref as ref  # noqa: E402
-from kernels import triton_attention as tk  # noqa: E402
-from kernels.triton_common import _interpreting  # noqa: E402
+from pdserve.kernels import attention_ref as ref  # noqa: E402
+from pdserve.kernels import triton_attention as tk  # noqa: E402
+from pdserve.kernels.triton_common import _interpreting  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Kernel vs reference on the GPU, same inputs. fp32 runs the IEEE (non-TF32) dot path.

@@ -33,10 +33,10 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.common.grpc_utils import STREAM_CHUNK_BYTES  # noqa: E402
-from services.common.kv_client import KVStoreClient  # noqa: E402
-from services.common.launcher import Child, Launcher  # noqa: E402
-from services.common.pb import common_pb2  # noqa: E402
+from pdserve.kv.client import KVStoreClient  # noqa: E402
+from pdserve.local.launcher import Child, Launcher  # noqa: E402
+from pdserve.runtime.rpc import STREAM_CHUNK_BYTES  # noqa: E402
+from pdserve.v1 import common_pb2  # noqa: E402
 
 # SmolLM2-135M's KV block: 30 layers, 3 KV heads, head dim 64, 16 tokens per block.
 SMOLLM2_LAYOUT = common_pb2.BlockLayout(
@@ -133,7 +133,7 @@ def table(result: dict) -> str:
 
 def start_kvstore(launcher: Launcher, capacity_bytes: int) -> Child:
     """A kvstore process of ``capacity_bytes`` on a free port, once it serves."""
-    argv = [sys.executable, "-m", "services.kvstore", "--port", "0"]
+    argv = [sys.executable, "-m", "pdserve.kvstore", "--port", "0"]
     argv += ["--capacity-bytes", str(capacity_bytes)]
     return launcher.start_ready("kvstore", argv, ["kvstore"], timeout=30)
 
@@ -142,11 +142,11 @@ def measure_ttft(address: str, prompt_lens: list[int], repeats: int, timeout: fl
     """Prefill -> export -> put (the TTFT path), then get -> import (before decode), per length."""
     import random
 
-    from services.common.config import EngineArgs
-    from services.common.sampling import SamplingParams
-    from services.common.wire import layout_to_proto
-    from services.engine.engine import LLMEngine
-    from services.engine.prepare_model import resolve_model
+    from pdserve.core.sampling import SamplingParams
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.prepare_model import resolve_model
+    from pdserve.kv.convert import layout_to_proto
+    from pdserve.settings.engine import EngineArgs
 
     path = str(resolve_model(None))
     args = EngineArgs(dtype="float32", max_model_len=4096, kv_cache_memory="1GiB")

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.compare import System, bench_argv, start_pdserve_disagg, warm_up  # noqa: E402
 from bench.results_md import replace_section  # noqa: E402
-from services.common.launcher import Launcher  # noqa: E402
-from services.common.model import locate_model  # noqa: E402
+from pdserve.core.model import locate_model  # noqa: E402
+from pdserve.local.launcher import Launcher  # noqa: E402
 
 SECTION = "serving-profile"
 ROLES = ("decode", "prefill", "gateway", "kvstore")
@@ -70,7 +70,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def role_pids(root: int) -> dict[str, int]:
-    """The pdserve service processes under ``root``, by role (`services.cli ROLE ...`)."""
+    """The pdserve service processes under ``root``, by role (`pdserve.cli ROLE ...`)."""
     found: dict[str, int] = {}
     for pid in descendants(root):
         try:
@@ -78,8 +78,8 @@ def role_pids(root: int) -> dict[str, int]:
         except OSError:
             continue
         words = [w.decode(errors="replace") for w in argv]
-        if "services.cli" in words:
-            role = words[words.index("services.cli") + 1]
+        if "pdserve.cli" in words:
+            role = words[words.index("pdserve.cli") + 1]
             if role in ROLES:
                 found.setdefault(role, pid)
     return found

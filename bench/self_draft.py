@@ -1,7 +1,7 @@
 """SmolLM2 drafting for itself: the acceptance of truncated-layer self-drafts.
 
 SmolLM2-135M is the only real model here, so its draft-model case is a self-draft: its
-first N layers (``services.engine.draft_model.write_layer_draft``). For each N, the
+first N layers (``pdserve.engine.draft_model.write_layer_draft``). For each N, the
 embedded engine (float32, greedy) generates a rewrite request and a chat request, with and
 without the draft; the table gives the acceptance and the time against no speculation.
 Writes bench/RESULTS.md's self-draft section.
@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from services.common.model import default_model_dir  # noqa: E402
-from services.common.sampling import SamplingParams  # noqa: E402
-from services.engine.draft_model import write_layer_draft  # noqa: E402
-from services.engine.llm import LLM  # noqa: E402
+from pdserve.core.model import default_model_dir  # noqa: E402
+from pdserve.core.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.draft_model import write_layer_draft  # noqa: E402
+from pdserve.engine.llm import LLM  # noqa: E402
 
 SECTION = "self-draft"
 TEXT = (

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 from bench.compare import machine  # noqa: E402
 from bench.gemm_ceiling import Shapes, fused  # noqa: E402
 from bench.results_md import replace_section  # noqa: E402
-from kernels import sgemm_cpu  # noqa: E402
-from services.engine.prepare_model import resolve_model  # noqa: E402
+from pdserve.engine.prepare_model import resolve_model  # noqa: E402
+from pdserve.kernels import sgemm_cpu  # noqa: E402
 
 
 def step_shapes(s: Shapes) -> list[tuple[int, int]]:

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from services.common.launcher import Launcher, free_port  # noqa: E402
-from services.common.model import default_model_dir  # noqa: E402
+from pdserve.core.model import default_model_dir  # noqa: E402
+from pdserve.local.launcher import Launcher, free_port  # noqa: E402
 
 SECTION = "speculative-decoding"
 OUT = ROOT / "bench/out/spec"
@@ -41,7 +41,7 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 def start_cluster(name: str, model: Path, extra: list[str], args) -> tuple[Launcher, str]:
     port = free_port()
-    argv = [PYTHON, "-m", "services.cli", "up", "--prefill", "1", "--decode", "1", "--port", "0"]
+    argv = [PYTHON, "-m", "pdserve.cli", "up", "--prefill", "1", "--decode", "1", "--port", "0"]
     argv += ["--http-port", str(port), "--model", str(model), "--dtype", args.dtype]
     argv += ["--log-dir", str(OUT / name), *extra]
     url = f"http://127.0.0.1:{port}"
@@ -79,7 +79,7 @@ def spec_counters(url: str) -> dict[str, float]:
 
 def bench(url: str, model: Path, case: tuple, seed: int, args, out: Path) -> dict:
     workload, concurrency, prompts = case
-    argv = [PYTHON, "-m", "services.cli", "bench", "serve", "--backend", "vllm"]
+    argv = [PYTHON, "-m", "pdserve.cli", "bench", "serve", "--backend", "vllm"]
     argv += ["--base-url", url, "--model", model.name, "--tokenizer", str(model)]
     argv += ["--dataset-name", workload, "--num-prompts", str(prompts)]
     argv += ["--random-input-len", "256", "--random-output-len", "128"]

@@ -34,10 +34,10 @@ VARIANTS = ("built here", "stepped on another thread", "AsyncEngine")
 
 
 def _child(variant: str, dtype: str, batches: list[int]) -> dict[int, float]:
-    from services.common.config import EngineArgs
-    from services.common.model import locate_model
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.engine import LLMEngine
+    from pdserve.core.model import locate_model
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.settings.engine import EngineArgs
 
     model = str(locate_model(None))
     args = EngineArgs(model=model, dtype=dtype)

@@ -36,7 +36,7 @@ COMPARISONS = {
 def decode_step_ms(engine, batches: list[int]) -> dict[int, float]:
     """For each batch size B: B prompts of 256 tokens decode 48 tokens each; the median
     time of the last 40 steps, median of three repeats (ms)."""
-    from services.common.sampling import SamplingParams
+    from pdserve.core.sampling import SamplingParams
 
     out = {}
     for b in batches:
@@ -56,7 +56,7 @@ def decode_step_ms(engine, batches: list[int]) -> dict[int, float]:
 
 
 def _child(dtype: str, batches: list[int]) -> dict[int, float]:
-    from services.engine.llm import LLM
+    from pdserve.engine.llm import LLM
 
     model = Path.home() / ".cache" / "pdserve" / "models" / "SmolLM2-135M-Instruct"
     return decode_step_ms(LLM(model=str(model), dtype=dtype).engine, batches)

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.engine.prepare_model import prepare_default_model  # noqa: E402
-from services.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered  # noqa: E402
+from pdserve.engine.prepare_model import prepare_default_model  # noqa: E402
+from pdserve.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered  # noqa: E402
 
 TEXT = (
     "The history of the city begins in the early middle ages, when a small group of "

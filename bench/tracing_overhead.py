@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from services.common.launcher import Launcher, free_port  # noqa: E402
-from services.common.model import default_model_dir  # noqa: E402
+from pdserve.core.model import default_model_dir  # noqa: E402
+from pdserve.local.launcher import Launcher, free_port  # noqa: E402
 from tests.otlp_collector import OtlpCollector  # noqa: E402
 
 SECTION = "tracing-overhead"
@@ -50,10 +50,10 @@ def source_tree(rev: str, into: Path) -> Path:
 def start_cluster(
     name: str, tree: Path, model: Path, extra: list[str], timeout: float
 ) -> tuple[Launcher, str]:
-    """`pdserve up` from ``tree`` (python -m services.cli: that tree's code, its children
+    """`pdserve up` from ``tree`` (python -m pdserve.cli: that tree's code, its children
     too); its launcher and REST base URL once it serves."""
     port = free_port()
-    argv = [PYTHON, "-m", "services.cli", "up", "--prefill", "1", "--decode", "1", "--port", "0"]
+    argv = [PYTHON, "-m", "pdserve.cli", "up", "--prefill", "1", "--decode", "1", "--port", "0"]
     argv += ["--http-port", str(port), "--model", str(model), "--log-dir", str(OUT / name)]
     url = f"http://127.0.0.1:{port}"
     launcher = Launcher(OUT, cwd=tree)
@@ -79,7 +79,7 @@ def _serves(url: str) -> bool:
 
 def bench(url: str, model: Path, seed: int, args: argparse.Namespace, out: Path) -> dict:
     """One `pdserve bench serve` run, written as vLLM's users write it; its metrics."""
-    argv = [PYTHON, "-m", "services.cli", "bench", "serve", "--backend", "vllm"]
+    argv = [PYTHON, "-m", "pdserve.cli", "bench", "serve", "--backend", "vllm"]
     argv += ["--base-url", url, "--model", model.name, "--tokenizer", str(model)]
     argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
     argv += ["--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts)]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.compare import machine  # noqa: E402
 from bench.results_md import replace_section  # noqa: E402
-from services.common.launcher import Launcher, free_port  # noqa: E402
+from pdserve.local.launcher import Launcher, free_port  # noqa: E402
 
 PY = sys.executable
 
@@ -55,7 +55,7 @@ async def load(address: str, n: int = 16) -> None:
     """n requests of 256 random tokens -> 64 through the decode worker's Decode stream."""
     import grpc
 
-    from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+    from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
     rng = random.Random(0)
     async with grpc.aio.insecure_channel(address) as channel:
@@ -76,7 +76,7 @@ async def load(address: str, n: int = 16) -> None:
 def worker(launcher: Launcher, name: str, env: dict[str, str], extra: list[str]) -> dict:
     started = time.monotonic()
     child = launcher.start(
-        name, [PY, "-m", "services.cli", "decode", "--port", "0", *extra], ["decode"], env=env
+        name, [PY, "-m", "pdserve.cli", "decode", "--port", "0", *extra], ["decode"], env=env
     )
     launcher.wait_ready([child], 900)
     ready = time.monotonic() - started
@@ -96,7 +96,7 @@ def up_ready_s(launcher: Launcher, name: str, env: dict[str, str]) -> float:
     port = free_port()
     started = time.monotonic()
     child = launcher.start(
-        name, [PY, "-m", "services.cli", "up", "--port", "0", "--http-port", str(port)], env=env
+        name, [PY, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", str(port)], env=env
     )
     url = f"http://127.0.0.1:{port}/v1/models"
     while time.monotonic() - started < 600:

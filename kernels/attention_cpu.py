@@ -1,5 +1,5 @@
 """The CPU attention backend: C kernels (``csrc/cpu_attention.c``) with the signatures of
-``kernels.attention_ref``.
+``pdserve.kernels.attention_ref``.
 
 Decode attention reads each sequence's K/V from the paged cache in place (no gather) and
 the KV write skips negative slots (padding rows of a bucketed batch); prefill keeps the
@@ -16,8 +16,8 @@ from functools import cache
 
 import torch
 
-from kernels import attention_ref
-from kernels.cpu_build import KernelBuildError, bind, load
+from pdserve.kernels import attention_ref
+from pdserve.kernels.cpu_build import KernelBuildError, bind, load
 
 __all__ = [
     "available",

@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from kernels.cpu_build import KernelBuildError, bind, load
+from pdserve.kernels.cpu_build import KernelBuildError, bind, load
 
 
 @cache

@@ -15,8 +15,8 @@ from functools import cache
 
 import torch
 
-from kernels import packed_gemm
-from kernels.cpu_build import KernelBuildError, bind, load
+from pdserve.kernels import packed_gemm
+from pdserve.kernels.cpu_build import KernelBuildError, bind, load
 
 
 @cache

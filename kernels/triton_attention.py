@@ -1,4 +1,4 @@
-"""Triton paged-attention kernels, with the signatures of ``kernels.attention_ref``.
+"""Triton paged-attention kernels, with the signatures of ``pdserve.kernels.attention_ref``.
 
 KV cache layout (per layer, as views into the engine's block-contiguous buffer):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -14,7 +14,7 @@ operands share the cache's dtype, and fp32 dots are asked for in IEEE precision
 The kernels live one idea per module: ``triton_write_kv`` (cache writes),
 ``triton_decode`` (split-K decode), ``triton_prefill`` (chunked prefill), and
 ``triton_common`` (the guarded triton import and launch helpers). This module is the
-backend that ``services.engine.attention`` loads by name; it re-exports their public
+backend that ``pdserve.engine.attention`` loads by name; it re-exports their public
 functions.
 
 This module imports where triton is missing (``TRITON_AVAILABLE`` is then False
@@ -22,15 +22,15 @@ and the functions raise); it never needs a device sync when the optional
 ``max_*`` bounds are given or left to their shape-derived defaults.
 """
 
-from kernels.triton_common import TRITON_AVAILABLE
-from kernels.triton_decode import (
+from pdserve.kernels.triton_common import TRITON_AVAILABLE
+from pdserve.kernels.triton_decode import (
     DECODE_MAX_SPLITS,
     DECODE_SPLIT_TOKENS,
     decode_split_plan,
     paged_decode_attention,
 )
-from kernels.triton_prefill import paged_prefill_attention
-from kernels.triton_write_kv import write_kv
+from pdserve.kernels.triton_prefill import paged_prefill_attention
+from pdserve.kernels.triton_write_kv import write_kv
 
 __all__ = [
     "DECODE_MAX_SPLITS",

@@ -15,7 +15,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the engine uses kernels.attention_ref.
+except ImportError:  # CPU-only installs: the engine uses pdserve.kernels.attention_ref.
     triton = None
     tl = None
 
@@ -32,7 +32,7 @@ def _require_triton() -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError(
             "triton is not installed: install pdserve[triton] on a CUDA machine, "
-            "or use kernels.attention_ref"
+            "or use pdserve.kernels.attention_ref"
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_common import (
+from pdserve.kernels.triton_common import (
     _LOG2E,
     _dot_dtype,
     _dot_precision,

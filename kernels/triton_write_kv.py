@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_common import _jit, _pow2, _require_triton, tl
+from pdserve.kernels.triton_common import _jit, _pow2, _require_triton, tl
 
 
 @_jit

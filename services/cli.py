@@ -9,28 +9,28 @@ import sys
 # name: (module, function, help)
 COMMANDS = {
     "up": (
-        "services.up",
+        "pdserve.up",
         "main",
         "start the whole cluster on this machine: Redis, kvstore, workers, gateway",
     ),
-    "status": ("services.status", "main", "show a cluster's registered workers and their load"),
+    "status": ("pdserve.status", "main", "show a cluster's registered workers and their load"),
     "gateway": (
-        "services.gateway.server",
+        "pdserve.gateway.server",
         "main",
         "run the gateway: the gRPC and OpenAI REST fronts",
     ),
-    "prefill": ("services.prefill.server", "main", "run a prefill worker"),
-    "decode": ("services.decode.server", "main", "run a decode worker"),
-    "kvstore": ("services.kvstore.server", "main", "run the KV block store"),
+    "prefill": ("pdserve.prefill.server", "main", "run a prefill worker"),
+    "decode": ("pdserve.decode.server", "main", "run a decode worker"),
+    "kvstore": ("pdserve.kvstore.server", "main", "run the KV block store"),
     "prepare-model": (
-        "services.engine.prepare_model",
+        "pdserve.engine.prepare_model",
         "main",
         "convert the bundled SmolLM2-135M-Instruct GGUF to safetensors, once",
     ),
-    "generate": ("services.engine.cli", "generate_main", "generate completions of prompts"),
-    "chat": ("services.engine.cli", "chat_main", "chat with the model in the terminal"),
+    "generate": ("pdserve.engine.cli", "generate_main", "generate completions of prompts"),
+    "chat": ("pdserve.engine.cli", "chat_main", "chat with the model in the terminal"),
     "bench": (
-        "services.bench.cli",
+        "pdserve.loadgen.cli",
         "main",
         "benchmark any OpenAI-compatible server: serve, sweep, plot",
     ),

@@ -9,14 +9,14 @@ import sys
 import time
 from collections.abc import Sequence
 
-from services.common.cluster_state import running_clusters, state_dir
-from services.common.command_config import StatusSettings
-from services.common.config import RedisSettings
-from services.common.logs import configure_logging
-from services.common.redaction import redact_url
-from services.common.registry import ROLES, WorkerInfo
-from services.common.registry_view import RegistryView
-from services.common.settings import parse_settings
+from pdserve.controlplane.registry import ROLES, WorkerInfo
+from pdserve.controlplane.view import RegistryView
+from pdserve.local.cluster_state import running_clusters, state_dir
+from pdserve.runtime.logs import configure_logging
+from pdserve.settings.commands import StatusSettings
+from pdserve.settings.flags import parse_settings
+from pdserve.settings.process import RedisSettings
+from pdserve.settings.redaction import redact_url
 
 
 async def read_workers(url: str, prefix: str) -> list[WorkerInfo]:

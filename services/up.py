@@ -2,7 +2,7 @@
 
 Workers load their models in parallel, each pinned to its own slice of the CPUs (DESIGN,
 "Deployment"); the gateway starts once they are registered, so its first request has
-somewhere to go. A child that exits is restarted with backoff (``services.supervisor``)
+somewhere to go. A child that exits is restarted with backoff (``pdserve.local.supervisor``)
 while the others go on serving; Ctrl-C stops everything in order: gateway, workers,
 kvstore, Redis.
 Each child gets its settings as flags made from settings objects (``to_argv``), and an
@@ -26,42 +26,33 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.cluster_state import new_state, remove_state, write_state
-from services.common.command_config import UpSettings, known_env
-from services.common.config import (
-    DecodeSettings,
-    GatewaySettings,
+from pdserve.controlplane.registry import Keys, redis_errors
+from pdserve.core.model import default_model_dir, is_default_model, is_prepared, locate_model
+from pdserve.local.cluster_state import new_state, remove_state, write_state
+from pdserve.local.launcher import Child, Launcher, StartFailed, cpu_slices
+from pdserve.local.supervisor import GaveUp, Supervisor
+from pdserve.runtime.logs import configure_logging
+from pdserve.runtime.trust_files import read_trust_files
+from pdserve.settings.commands import UpSettings, known_env
+from pdserve.settings.flags import env_names, parse_settings, secret_env, to_argv, warn_unknown_env
+from pdserve.settings.process import (
     InternalSecuritySettings,
-    KVStoreSettings,
-    PrefillSettings,
     RedisSettings,
     RegistrySettings,
-    RoutingSettings,
     ServerSettings,
 )
-from services.common.launcher import Child, Launcher, StartFailed, cpu_slices
-from services.common.logs import configure_logging
-from services.common.model import (
-    default_model_dir,
-    is_default_model,
-    is_prepared,
-    locate_model,
+from pdserve.settings.redaction import redact_url
+from pdserve.settings.services import (
+    DecodeSettings,
+    GatewaySettings,
+    KVStoreSettings,
+    PrefillSettings,
+    RoutingSettings,
 )
-from services.common.redaction import redact_url
-from services.common.registry import Keys, redis_errors
-from services.common.settings import (
-    env_names,
-    parse_settings,
-    secret_env,
-    to_argv,
-    warn_unknown_env,
-)
-from services.common.trust_files import read_trust_files
-from services.supervisor import GaveUp, Supervisor
 
 _STOP_TIMEOUT_S = 15.0
 _PROGRESS_EVERY_S = 5.0
-_PDSERVE = [sys.executable, "-m", "services.cli"]
+_PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
 class Interrupted(Exception):
@@ -105,7 +96,7 @@ def cluster_security(given: InternalSecuritySettings) -> InternalSecuritySetting
 def _model_dir(model: str | None) -> Path:
     """``--model``'s directory; the default model is prepared first if it is not yet."""
     if is_default_model(model) and not is_prepared(default_model_dir()):
-        from services.engine.prepare_model import prepare_default_model
+        from pdserve.engine.prepare_model import prepare_default_model
 
         return prepare_default_model(progress=True)
     return locate_model(model)
@@ -131,7 +122,7 @@ def run(settings: UpSettings, model: str) -> int:
         if redis_url:
             _check_redis(redis_url)
         else:
-            from services.common.redis_server import start_redis
+            from pdserve.local.redis_server import start_redis
 
             redis = start_redis(settings.redis_port, launcher=launcher)
             redis_url = redis.url

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 
-from services.common.kv_client import KVStoreClient
-from services.common.launcher import Child, free_port
-from services.common.redis_server import RedisServer, start_redis
-from services.common.registry_view import RegistryView
+from pdserve.controlplane.view import RegistryView
+from pdserve.kv.client import KVStoreClient
+from pdserve.local.launcher import Child, free_port
+from pdserve.local.redis_server import RedisServer, start_redis
 from tests.cluster import Cluster, decode_idle, decode_stat
 from tests.integration.test_migration import metric
 
@@ -94,7 +94,7 @@ def reference_tokens(model_path: Path, jobs: Sequence[Job]) -> dict[str, list[in
     beside the cluster's processes; the process's thread count is restored after)."""
     import torch
 
-    from services.engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     threads = torch.get_num_threads()
     try:
@@ -276,7 +276,7 @@ class ChaosCluster:
         registry = ["--redis-url", self.redis.url, "--registry-ttl", f"{self.ttl_s:g}"]
         model = ["--model", str(self.model_path)]
         specs = [
-            (f"kvstore-{i}", "services.kvstore", "--port", str(free_port()), *registry)
+            (f"kvstore-{i}", "pdserve.kvstore", "--port", str(free_port()), *registry)
             for i in range(2)
         ]
         await asyncio.to_thread(self._start_all, specs, None)
@@ -289,7 +289,7 @@ class ChaosCluster:
         gateway = await asyncio.to_thread(
             self.cluster.start,
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             *("--redis-url", self.redis.url, *model),
             *("--served-model-name", self.served_model_name),
             *("--stream-idle-timeout", f"{self.idle_s:g}"),

@@ -27,8 +27,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.launcher import Child, Launcher, free_port
-from services.common.redis_server import find_redis_server
+from pdserve.local.launcher import Child, Launcher, free_port
+from pdserve.local.redis_server import find_redis_server
 from tests.helm_chart import NAMESPACE, ROOT
 
 LOOPBACK = "127.0.0.1"

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.grpc_utils import aio_channel
-from services.common.launcher import Child, Launcher
-from services.common.pb import decode_pb2, decode_pb2_grpc
+from pdserve.local.launcher import Child, Launcher
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 

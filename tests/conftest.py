@@ -32,7 +32,7 @@ if _no_cuda():
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The default model, converted once into $PDSERVE_HOME (or ~/.cache/pdserve)."""
-    from services.engine.prepare_model import prepare_default_model
+    from pdserve.engine.prepare_model import prepare_default_model
 
     return prepare_default_model(progress=False)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from services.common.model import pdserve_home
+from pdserve.core.model import pdserve_home
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "pdserve"

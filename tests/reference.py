@@ -105,7 +105,7 @@ def generate_like_references(llm, refs: list[Reference]) -> None:
     """Run every reference's prompt through ``llm`` (greedy, its length, EOS ignored) and
     check the outputs: at most one near-tie difference, then the engine's blocks all free
     and its bookkeeping sound."""
-    from services.engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     params = [
         SamplingParams(max_tokens=len(r.tokens), temperature=0, ignore_eos=True) for r in refs

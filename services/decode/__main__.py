@@ -1,5 +1,5 @@
 import sys
 
-from services.decode.server import main
+from pdserve.decode.server import main
 
 sys.exit(main())

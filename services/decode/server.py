@@ -27,26 +27,21 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.common import tracing
-from services.common.config import DecodeSettings
-from services.common.kv_blocks import FetchedBlocks, LayoutMismatch, show_key, tail_key
-from services.common.kv_client import KVStoreClient
-from services.common.pb import decode_pb2, decode_pb2_grpc
-from services.common.registry import new_worker_id
-from services.common.registry_view import RegistryView
-from services.common.service import Serving, run_service
-from services.common.speculative import SpecDecodeStats
-from services.common.trust import Trust, load_trust
-from services.common.wire import (
-    layout_from_proto,
-    layout_to_proto,
-    logprob_from_proto,
-    logprob_to_proto,
-    sampling_from_proto,
-)
-from services.engine.async_engine import AsyncEngine, EngineDead, Handover
-from services.worker.runtime import error_status, serve_engine, start_engine
-from services.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
+from pdserve.controlplane.registry import new_worker_id
+from pdserve.controlplane.view import RegistryView
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.engine.async_engine import AsyncEngine, EngineDead, Handover
+from pdserve.kv.blocks import FetchedBlocks, LayoutMismatch, show_key, tail_key
+from pdserve.kv.client import KVStoreClient
+from pdserve.kv.convert import layout_from_proto, layout_to_proto
+from pdserve.runtime import tracing
+from pdserve.runtime.service import Serving, run_service
+from pdserve.runtime.trust import Trust, load_trust
+from pdserve.settings.services import DecodeSettings
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.wire.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto
+from pdserve.worker.runtime import error_status, serve_engine, start_engine
+from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
 logger = logging.getLogger(__name__)
 

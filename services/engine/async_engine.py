@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.kv_blocks import FetchedBlocks
-from services.common.sampling import SamplingParams, TokenLogprobs
-from services.engine.engine import LLMEngine
-from services.engine.outputs import RequestDelta, RequestError, StepOutput
-from services.engine.sequence import PREFILLED, Sequence
+from pdserve.core.sampling import SamplingParams, TokenLogprobs
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestDelta, RequestError, StepOutput
+from pdserve.engine.sequence import PREFILLED, Sequence
+from pdserve.kv.blocks import FetchedBlocks
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The attention-backend interface: one paged-attention call per layer, whatever the kernels.
 
-A backend is a module of kernels with the signatures of ``kernels.attention_ref``:
+A backend is a module of kernels with the signatures of ``pdserve.kernels.attention_ref``:
 the torch reference runs anywhere (and is the oracle of the others), the C kernels
 (``cpu``) on CPUs with a C compiler, the Triton kernels on CUDA. Backends are imported
 only when chosen.
@@ -18,9 +18,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _BACKENDS = {
-    "torch": "kernels.attention_ref",
-    "cpu": "kernels.attention_cpu",
-    "triton": "kernels.triton_attention",
+    "torch": "pdserve.kernels.attention_ref",
+    "cpu": "pdserve.kernels.attention_cpu",
+    "triton": "pdserve.kernels.triton_attention",
 }
 
 
@@ -124,7 +124,7 @@ def get_attention_backend(name: str, device: torch.device) -> PagedAttention:
 
 
 def _cpu_backend() -> str:
-    from kernels import attention_cpu
+    from pdserve.kernels import attention_cpu
 
     if attention_cpu.available():
         return "cpu"

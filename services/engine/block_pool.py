@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from services.common.block_hash import BlockHash
+from pdserve.kv.hashing import BlockHash
 
 
 class BlockPool:

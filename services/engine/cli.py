@@ -6,11 +6,11 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from services.common.command_config import ChatSettings, GenerateSettings, SamplingFlags
-from services.common.logs import configure_logging
-from services.common.sampling import SamplingParams
-from services.common.settings import build_parser, parse_settings, parse_with
-from services.engine.llm import LLM
+from pdserve.core.sampling import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.runtime.logs import configure_logging
+from pdserve.settings.commands import ChatSettings, GenerateSettings, SamplingFlags
+from pdserve.settings.flags import build_parser, parse_settings, parse_with
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:

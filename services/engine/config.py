@@ -1,6 +1,6 @@
 """What the engine adds to the torch-free settings: torch devices and dtypes.
 
-``EngineArgs`` and ``ModelConfig`` are in ``services.common`` (the launcher and the gateway
+``EngineArgs`` and ``ModelConfig`` are in ``pdserve.common`` (the launcher and the gateway
 read them without torch); this module turns their names into torch objects.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from services.common.config import EngineArgs
-from services.common.model import ModelConfig
+from pdserve.core.model import ModelConfig
+from pdserve.settings.engine import EngineArgs
 
 __all__ = ["EngineArgs", "ModelConfig", "resolve_device", "resolve_dtype", "torch_dtype"]
 
@@ -35,7 +35,7 @@ def resolve_dtype(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> t
     if args.dtype != "auto":
         return _DTYPES[args.dtype]
     if device.type == "cpu":
-        from services.engine.dtype_probe import cpu_dtype
+        from pdserve.engine.dtype_probe import cpu_dtype
 
         return _DTYPES[cpu_dtype(args, cfg)]
     return torch_dtype(cfg.checkpoint_dtype)

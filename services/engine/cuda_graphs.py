@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.forward_context import ForwardContext, forward_context
-from services.engine.step_inputs import StepInputs
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.forward_context import ForwardContext, forward_context
+from pdserve.engine.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

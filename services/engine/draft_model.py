@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import EngineArgs
-from services.common.model import ModelConfig
-from services.common.sampling import SamplingParams
-from services.common.speculative import SpeculativeConfig
-from services.engine.block_pool import BlockPool
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.scheduler import ScheduledBatch
-from services.engine.sequence import Sequence
+from pdserve.core.model import ModelConfig
+from pdserve.core.sampling import SamplingParams
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class DraftModelProposer:
         max_model_len: int,
         num_blocks: int,
     ) -> None:
-        from services.engine.model_runner import ModelRunner
+        from pdserve.engine.model_runner import ModelRunner
 
         if not (Path(config.model) / "config.json").is_file():
             raise ValueError(

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import EngineArgs
-from services.common.model import ModelConfig, pdserve_home
-from services.common.sampling import SamplingParams
-from services.engine.model import ops
-from services.engine.model.cpu_linear import packing_available
-from services.engine.scheduler import ScheduledBatch
-from services.engine.sequence import Sequence
+from pdserve.core.model import ModelConfig, pdserve_home
+from pdserve.core.sampling import SamplingParams
+from pdserve.engine.model import ops
+from pdserve.engine.model.cpu_linear import packing_available
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
+from pdserve.settings.engine import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _read(path: Path) -> ProbeResult | None:
 
 def _time_steps(args: EngineArgs, cfg: ModelConfig, dtype: str) -> dict[str, float]:
     """Median step times of the probe cases, on a runner with a small KV cache."""
-    from services.engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     batch = max(DECODE_BATCHES)
     blocks_per_seq = -(-(CONTEXT + 8) // args.block_size)

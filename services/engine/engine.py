@@ -8,20 +8,21 @@ import uuid
 
 import torch
 
-from services.common.config import EngineArgs
-from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
-from services.common.model import ModelConfig, check_prompt
-from services.common.sampling import SamplingParams, TokenLogprobs
-from services.common.sizes import parse_size
-from services.common.speculative import SpecDecodeStats, SpeculativeConfig
-from services.engine.block_pool import BlockPool
-from services.engine.config import resolve_device, resolve_dtype
-from services.engine.kv_cache_manager import KVCacheManager, cdiv
-from services.engine.model_runner import ModelRunner
-from services.engine.outputs import EngineInfo, EngineStats, StepOutput
-from services.engine.scheduler import Scheduler, SchedulerConfig
-from services.engine.sequence import PREFILLED, Sequence
-from services.engine.spec_decode import SpecDecoder
+from pdserve.core.model import ModelConfig, check_prompt
+from pdserve.core.sampling import SamplingParams, TokenLogprobs
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import resolve_device, resolve_dtype
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import EngineInfo, EngineStats, StepOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.sequence import PREFILLED, Sequence
+from pdserve.engine.spec_decode import SpecDecoder
+from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.sizes import parse_size
+from pdserve.settings.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class LLMEngine:
         if spec_config is not None:
             proposer = None
             if spec_config.method == "draft_model":
-                from services.engine.draft_model import DraftModelProposer
+                from pdserve.engine.draft_model import DraftModelProposer
 
                 proposer = DraftModelProposer(
                     spec_config, args, cfg, self.dtype, self.device, self.max_model_len, num_blocks

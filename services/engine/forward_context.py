@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import AttentionMetadata, PagedAttention
+from pdserve.engine.attention import AttentionMetadata, PagedAttention
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.common.block_hash import BlockHash, hash_block
-from services.engine.block_pool import BlockPool
-from services.engine.sequence import Sequence
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.sequence import Sequence
+from pdserve.kv.hashing import BlockHash, hash_block
 
 
 def cdiv(a: int, b: int) -> int:

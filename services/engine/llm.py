@@ -6,14 +6,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from services.common.config import EngineArgs
-from services.common.model import check_prompt
-from services.common.sampling import SamplingParams, TokenLogprobs
-from services.common.tokenizer import Tokenizer
-from services.engine.engine import LLMEngine
-from services.engine.outputs import EngineStats
-from services.engine.prepare_model import resolve_model
-from services.engine.sequence import Sequence
+from pdserve.core.model import check_prompt
+from pdserve.core.sampling import SamplingParams, TokenLogprobs
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import EngineStats
+from pdserve.engine.prepare_model import resolve_model
+from pdserve.engine.sequence import Sequence
+from pdserve.settings.engine import EngineArgs
 
 Prompt = str | list[int]
 

@@ -24,20 +24,20 @@ import warnings
 
 import torch
 
-from kernels import sample_cpu
-from services.common.config import EngineArgs
-from services.common.model import ModelConfig
-from services.engine.attention import AttentionMetadata, get_attention_backend
-from services.engine.cuda_graphs import CudaGraphRunner, bucket_for, decode_buckets
-from services.engine.forward_context import ForwardContext, forward_context
-from services.engine.model import ops
-from services.engine.model.cpu_linear import describe, pack_linears, packing_available
-from services.engine.model.loader import load_model
-from services.engine.outputs import ModelRunnerOutput
-from services.engine.sampler import Sampler
-from services.engine.scheduler import ScheduledBatch
-from services.engine.spec_decode import default_rule
-from services.engine.step_inputs import PreparedStep, StepInputs
+from pdserve.core.model import ModelConfig
+from pdserve.engine.attention import AttentionMetadata, get_attention_backend
+from pdserve.engine.cuda_graphs import CudaGraphRunner, bucket_for, decode_buckets
+from pdserve.engine.forward_context import ForwardContext, forward_context
+from pdserve.engine.model import ops
+from pdserve.engine.model.cpu_linear import describe, pack_linears, packing_available
+from pdserve.engine.model.loader import load_model
+from pdserve.engine.outputs import ModelRunnerOutput
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.spec_decode import default_rule
+from pdserve.engine.step_inputs import PreparedStep, StepInputs
+from pdserve.kernels import sample_cpu
+from pdserve.settings.engine import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class ModelRunner:
 
     def _compile_for_cpu(self):
         """The model compiled by inductor for any token count >= 2, compiled now (cached on
-        disk, see ``services.engine``, so a second start only retraces)."""
+        disk, see ``pdserve.engine``, so a second start only retraces)."""
         # The wrapper and the kernels built apart: the wrapper (30 layers of calls) at -O1.
         options = (
             {"cpp_wrapper": True, "cpp_wrapper_build_separate": True} if self.cpp_ops else None

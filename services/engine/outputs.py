@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.kv_blocks import BlockLayout, ExportedBlock
-from services.common.sampling import TokenLogprobs
-from services.common.speculative import SpecDecodeStats
-from services.engine.sequence import RequestTimes, Sequence
+from pdserve.core.sampling import TokenLogprobs
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.engine.sequence import RequestTimes, Sequence
+from pdserve.kv.blocks import BlockLayout, ExportedBlock
 
 
 @dataclass(frozen=True)

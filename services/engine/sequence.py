@@ -7,9 +7,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from services.common.block_hash import BlockHash
-from services.common.sampling import SamplingParams, TokenLogprobs
-from services.common.speculative import SpecDecodeStats
+from pdserve.core.sampling import SamplingParams, TokenLogprobs
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.kv.hashing import BlockHash
 
 # The finish reason of a prefill worker's request: its first token is sampled and its
 # prompt's blocks are held for export; a decode worker generates the rest.

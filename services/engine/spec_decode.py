@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.speculative import SpecDecodeStats, SpeculativeConfig
-from services.engine.sequence import Sequence
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.engine.sequence import Sequence
+from pdserve.settings.speculative import SpeculativeConfig
 
 # Proposals a request's acceptance rate is measured over, and the steps a request whose
 # rate fell below ``min_acceptance_rate`` waits before it proposes again: doubled at each

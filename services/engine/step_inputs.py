@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.sequence import Sequence
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""``python -m services.gateway``: `pdserve gateway`."""
+"""``python -m pdserve.gateway``: `pdserve gateway`."""
 
 import sys
 
-from services.gateway.server import main
+from pdserve.gateway.server import main
 
 sys.exit(main())

@@ -14,13 +14,13 @@ from typing import Any
 
 import grpc
 
-from services.common.pb import common_pb2, gateway_pb2
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.orchestrator import Orchestrator, StreamStalled, WorkerProtocolError
-from services.gateway.requests import InvalidRequest, PreparedRequest
-from services.gateway.router import NoWorkerError
-from services.gateway.stop import StopChecker
-from services.gateway.telemetry import RequestTelemetry
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.orchestrator import Orchestrator, StreamStalled, WorkerProtocolError
+from pdserve.gateway.requests import InvalidRequest, PreparedRequest
+from pdserve.gateway.router import NoWorkerError
+from pdserve.gateway.stop import StopChecker
+from pdserve.gateway.telemetry import RequestTelemetry
+from pdserve.v1 import common_pb2, gateway_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,10 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter, Histogram
 
-from services.common.metrics import (
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.gateway.admission import Admission
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.runtime.metrics import (
     Labels,
     RequestMetrics,
     SnapshotCollector,
@@ -16,9 +19,6 @@ from services.common.metrics import (
     new_registry,
     spec_rows,
 )
-from services.common.speculative import SpecDecodeStats
-from services.gateway.admission import Admission
-from services.gateway.orchestrator import Orchestrator
 
 MIGRATION_REASONS = ("unavailable", "stalled", "error")
 PREFILL_PLACES = (("remote", "prefill_remote"), ("local", "prefill_local"))

@@ -20,35 +20,35 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from services.common import tracing
-from services.common.metrics import CONTENT_TYPE, exposition
-from services.common.pb import common_pb2, gateway_pb2
-from services.common.tokenizer import Tokenizer
-from services.gateway.admission import Admission, Overloaded
-from services.gateway.generation import REQUEST_ERRORS, generate_many
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.middleware import (
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.gateway.admission import Admission, Overloaded
+from pdserve.gateway.generation import REQUEST_ERRORS, generate_many
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdMiddleware,
 )
-from services.gateway.openai_protocol import (
+from pdserve.gateway.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     api_error_of,
     validation_message,
 )
-from services.gateway.openai_reply import Reply
-from services.gateway.orchestrator import Orchestrator
-from services.gateway.requests import (
+from pdserve.gateway.openai_reply import Reply
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.requests import (
     InvalidRequest,
     ModelLimits,
     PreparedRequest,
     check_prompt_length,
     prepare,
 )
-from services.gateway.telemetry import RequestTelemetry, request_attributes
+from pdserve.gateway.telemetry import RequestTelemetry, request_attributes
+from pdserve.runtime import tracing
+from pdserve.runtime.metrics import CONTENT_TYPE, exposition
+from pdserve.v1 import common_pb2, gateway_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import grpc
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.config import MAX_N
-from services.gateway.orchestrator import StreamStalled
-from services.gateway.requests import InvalidRequest
-from services.gateway.router import NoWorkerError
+from pdserve.gateway.orchestrator import StreamStalled
+from pdserve.gateway.requests import InvalidRequest
+from pdserve.gateway.router import NoWorkerError
+from pdserve.settings.services import MAX_N
 
 # A worker's gRPC status as the HTTP status a REST client expects.
 _HTTP_STATUS = {

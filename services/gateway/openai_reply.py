@@ -8,10 +8,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.pb import common_pb2, gateway_pb2
-from services.common.tokenizer import Tokenizer
-from services.gateway.generation import REQUEST_ERRORS
-from services.gateway.openai_protocol import api_error_of
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.gateway.generation import REQUEST_ERRORS
+from pdserve.gateway.openai_protocol import api_error_of
+from pdserve.v1 import common_pb2, gateway_pb2
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,11 @@ from typing import Any
 
 import grpc
 
-from services.common import tracing
-from services.common.grpc_utils import aio_channel
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
-from services.common.trust import Trust
-from services.gateway.router import NoWorkerError, Route, Router
+from pdserve.gateway.router import NoWorkerError, Route, Router
+from pdserve.runtime import tracing
+from pdserve.runtime.rpc import aio_channel
+from pdserve.runtime.trust import Trust
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +106,7 @@ class Orchestrator:
         **options,
     ) -> Orchestrator:
         """An orchestrator over fixed worker addresses (no registry)."""
-        from services.gateway.router import StaticPools
+        from pdserve.gateway.router import StaticPools
 
         return cls(Router(StaticPools(prefill_addrs, decode_addrs)), disaggregation, **options)
 

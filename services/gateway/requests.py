@@ -9,11 +9,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from services.common.model import check_prompt
-from services.common.pb import common_pb2, gateway_pb2
-from services.common.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
-from services.common.tokenizer import ChatTemplateError, Tokenizer
-from services.common.wire import sampling_from_proto, sampling_to_proto
+from pdserve.core.model import check_prompt
+from pdserve.core.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from pdserve.core.tokenizer import ChatTemplateError, Tokenizer
+from pdserve.v1 import common_pb2, gateway_pb2
+from pdserve.wire.convert import sampling_from_proto, sampling_to_proto
 
 
 class InvalidRequest(ValueError):

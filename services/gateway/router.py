@@ -34,8 +34,8 @@ from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from services.common.block_hash import prompt_block_hashes
-from services.common.registry import WorkerInfo
+from pdserve.controlplane.registry import WorkerInfo
+from pdserve.kv.hashing import prompt_block_hashes
 
 POLICIES = ("prefix", "round-robin")
 

@@ -20,25 +20,26 @@ from contextlib import aclosing
 import grpc
 from google.protobuf.message import DecodeError
 
-from services.common import tracing
-from services.common.config import GatewaySettings, host_port
-from services.common.grpc_utils import start_server
-from services.common.model import ModelConfig, locate_model
-from services.common.pb import gateway_pb2, gateway_pb2_grpc
-from services.common.redaction import redact_url
-from services.common.registry_view import RegistryView
-from services.common.service import Serving, run_service
-from services.common.tokenizer import Tokenizer
-from services.common.trust import load_trust
-from services.gateway.admission import Admission, Overloaded
-from services.gateway.generation import REQUEST_ERRORS, generate
-from services.gateway.http import HttpServer
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_api import RETRY_AFTER_S, Served, create_app
-from services.gateway.orchestrator import Orchestrator, StreamStalled
-from services.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
-from services.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
-from services.gateway.telemetry import RequestTelemetry, request_attributes
+from pdserve.controlplane.view import RegistryView
+from pdserve.core.model import ModelConfig, locate_model
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.gateway.admission import Admission, Overloaded
+from pdserve.gateway.generation import REQUEST_ERRORS, generate
+from pdserve.gateway.http import HttpServer
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai_api import RETRY_AFTER_S, Served, create_app
+from pdserve.gateway.orchestrator import Orchestrator, StreamStalled
+from pdserve.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
+from pdserve.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
+from pdserve.gateway.telemetry import RequestTelemetry, request_attributes
+from pdserve.runtime import tracing
+from pdserve.runtime.rpc import start_server
+from pdserve.runtime.service import Serving, run_service
+from pdserve.runtime.trust import load_trust
+from pdserve.settings.process import host_port
+from pdserve.settings.redaction import redact_url
+from pdserve.settings.services import GatewaySettings
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.common import tracing
-from services.common.pb import common_pb2
-from services.gateway.metrics import GatewayMetrics
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.runtime import tracing
+from pdserve.v1 import common_pb2
 
 
 def request_attributes(

@@ -1,7 +1,7 @@
-"""``python -m services.kvstore``: `pdserve kvstore`."""
+"""``python -m pdserve.kvstore``: `pdserve kvstore`."""
 
 import sys
 
-from services.kvstore.server import main
+from pdserve.kvstore.server import main
 
 sys.exit(main())

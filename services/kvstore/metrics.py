@@ -7,14 +7,8 @@ from collections.abc import Iterable
 
 from prometheus_client import Histogram
 
-from services.common.metrics import (
-    TRANSFER_BUCKETS,
-    Labels,
-    SnapshotCollector,
-    name,
-    new_registry,
-)
-from services.kvstore.store import BlockStore
+from pdserve.kvstore.store import BlockStore
+from pdserve.runtime.metrics import TRANSFER_BUCKETS, Labels, SnapshotCollector, name, new_registry
 
 
 class KVStoreMetrics:

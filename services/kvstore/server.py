@@ -19,19 +19,20 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.common import tracing
-from services.common.config import KVStoreSettings, host_port
-from services.common.grpc_utils import STREAM_CHUNK_BYTES, start_server
-from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout, LayoutMismatch, show_key
-from services.common.kv_client import batched_by_bytes
-from services.common.metrics import metrics_server_address, start_metrics
-from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
-from services.common.registry_publisher import publisher_for
-from services.common.service import Serving, run_service
-from services.common.trust import load_trust
-from services.common.wire import layout_from_proto
-from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.store import BlockStore, StoredBlock, layout_from_text, layout_to_text
+from pdserve.controlplane.publisher import publisher_for
+from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout, LayoutMismatch, show_key
+from pdserve.kv.client import batched_by_bytes
+from pdserve.kv.convert import layout_from_proto
+from pdserve.kvstore.metrics import KVStoreMetrics
+from pdserve.kvstore.store import BlockStore, StoredBlock, layout_from_text, layout_to_text
+from pdserve.runtime import tracing
+from pdserve.runtime.metrics import metrics_server_address, start_metrics
+from pdserve.runtime.rpc import STREAM_CHUNK_BYTES, start_server
+from pdserve.runtime.service import Serving, run_service
+from pdserve.runtime.trust import load_trust
+from pdserve.settings.process import host_port
+from pdserve.settings.services import KVStoreSettings
+from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from services.common.kv_blocks import BlockLayout, LayoutMismatch
+from pdserve.kv.blocks import BlockLayout, LayoutMismatch
 
 logger = logging.getLogger(__name__)
 

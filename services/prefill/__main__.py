@@ -1,5 +1,5 @@
 import sys
 
-from services.prefill.server import main
+from pdserve.prefill.server import main
 
 sys.exit(main())

@@ -13,20 +13,21 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.common import tracing
-from services.common.config import PrefillSettings
-from services.common.kv_blocks import ExportedBlock
-from services.common.kv_client import KVStorePlacement
-from services.common.pb import prefill_pb2, prefill_pb2_grpc
-from services.common.registry import new_worker_id
-from services.common.registry_view import RegistryView
-from services.common.service import Serving, run_service
-from services.common.trust import load_trust
-from services.common.wire import layout_to_proto, logprob_to_proto, sampling_from_proto
-from services.engine.async_engine import AsyncEngine
-from services.engine.sequence import PREFILLED
-from services.worker.runtime import error_status, serve_engine, start_engine
-from services.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
+from pdserve.controlplane.registry import new_worker_id
+from pdserve.controlplane.view import RegistryView
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.sequence import PREFILLED
+from pdserve.kv.blocks import ExportedBlock
+from pdserve.kv.client import KVStorePlacement
+from pdserve.kv.convert import layout_to_proto
+from pdserve.runtime import tracing
+from pdserve.runtime.service import Serving, run_service
+from pdserve.runtime.trust import load_trust
+from pdserve.settings.services import PrefillSettings
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from pdserve.wire.convert import logprob_to_proto, sampling_from_proto
+from pdserve.worker.runtime import error_status, serve_engine, start_engine
+from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from services.common.command_config import TEST_FAULT_ENV
-from services.common.settings import SettingsError
+from pdserve.core.errors import SettingsError
+from pdserve.settings.variables import TEST_FAULT as TEST_FAULT_ENV
 
 
 class InjectedFault(RuntimeError):

@@ -20,18 +20,19 @@ from collections.abc import Callable
 
 import grpc
 
-from services.common.config import DecodeSettings, PrefillSettings, host_port
-from services.common.grpc_utils import start_server
-from services.common.metrics import metrics_server_address, start_metrics
-from services.common.registry_publisher import RegistryPublisher, publisher_for
-from services.common.service import Serving
-from services.common.trust import Trust
-from services.engine.async_engine import AsyncEngine, EngineDead
-from services.engine.engine import LLMEngine
-from services.engine.outputs import RequestError
-from services.engine.prepare_model import resolve_model
-from services.worker.faults import step_fault
-from services.worker.telemetry import WorkerMetrics
+from pdserve.controlplane.publisher import RegistryPublisher, publisher_for
+from pdserve.engine.async_engine import AsyncEngine, EngineDead
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestError
+from pdserve.engine.prepare_model import resolve_model
+from pdserve.runtime.metrics import metrics_server_address, start_metrics
+from pdserve.runtime.rpc import start_server
+from pdserve.runtime.service import Serving
+from pdserve.runtime.trust import Trust
+from pdserve.settings.process import host_port
+from pdserve.settings.services import DecodeSettings, PrefillSettings
+from pdserve.worker.faults import step_fault
+from pdserve.worker.telemetry import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
 
-from services.common import tracing
-from services.common.metrics import (
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.outputs import RequestDelta
+from pdserve.engine.sequence import RequestTimes
+from pdserve.runtime import tracing
+from pdserve.runtime.metrics import (
     REQUEST_LATENCY_BUCKETS,
     TRANSFER_BUCKETS,
     Labels,
@@ -25,10 +29,6 @@ from services.common.metrics import (
     new_registry,
     spec_rows,
 )
-from services.common.speculative import SpecDecodeStats
-from services.engine.async_engine import AsyncEngine
-from services.engine.outputs import RequestDelta
-from services.engine.sequence import RequestTimes
 
 ns = tracing.seconds_ns
 

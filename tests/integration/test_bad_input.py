@@ -12,8 +12,8 @@ import grpc
 import httpx
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
@@ -42,10 +42,10 @@ def gateway(tiny_chat_llama_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("bad-input-logs"))
     model = ["--model", str(tiny_chat_llama_path)]
     try:
-        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        dec = c.start("decode", "pdserve.decode", *model, *ENGINE)
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             "--decode",
             dec.address,
             "--disaggregation",

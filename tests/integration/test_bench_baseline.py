@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.bench.cli import main as bench_main
+from pdserve.loadgen.cli import main as bench_main
 from tests.cluster import Cluster
 
 MODEL_NAME = "tiny"

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from services.bench.cli import main as bench_main
+from pdserve.loadgen.cli import main as bench_main
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
@@ -27,10 +27,10 @@ def base_url(chat_model, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("bench-logs"))
     model = ["--model", str(chat_model)]
     try:
-        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        dec = c.start("decode", "pdserve.decode", *model, *ENGINE)
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             "--decode",
             dec.address,
             "--disaggregation",

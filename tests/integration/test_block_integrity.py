@@ -12,18 +12,12 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.kv_blocks import block_checksum
-from services.common.launcher import free_port
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    kvstore_pb2,
-    kvstore_pb2_grpc,
-)
-from services.common.wire import layout_to_proto
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
+from pdserve.kv.blocks import block_checksum
+from pdserve.kv.convert import layout_to_proto
+from pdserve.local.launcher import free_port
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.cluster import Cluster, decode_idle
 from tests.reference import hf_greedy_tokens
 
@@ -128,7 +122,7 @@ def decode(tiny_llama_path, tmp_path_factory):
     try:
         model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
         c.kvstore_address = f"127.0.0.1:{free_port()}"
-        yield c, c.start("decode", "services.decode", *model, "--kvstore", c.kvstore_address)
+        yield c, c.start("decode", "pdserve.decode", *model, "--kvstore", c.kvstore_address)
     finally:
         c.stop_all()
 

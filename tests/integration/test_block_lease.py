@@ -10,15 +10,9 @@ import time
 
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.kv_client import KVStoreClient
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    kvstore_pb2,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
+from pdserve.kv.client import KVStoreClient
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.cluster import Cluster, decode_idle
 from tests.integration.test_block_integrity import decode_call
 from tests.reference import hf_greedy
@@ -38,10 +32,10 @@ def cluster(tiny_llama_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("block-lease-logs"))
     model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
     try:
-        kvstore = c.start("kvstore", "services.kvstore", "--block-lease", str(LEASE_S))
+        kvstore = c.start("kvstore", "pdserve.kvstore", "--block-lease", str(LEASE_S))
         c.prefill, c.decode = c.start_many(
-            ("prefill", "services.prefill", *model, "--kvstore", kvstore.address),
-            ("decode", "services.decode", *model, "--kvstore", kvstore.address),
+            ("prefill", "pdserve.prefill", *model, "--kvstore", kvstore.address),
+            ("decode", "pdserve.decode", *model, "--kvstore", kvstore.address),
         )
         c.kvstore = kvstore
         yield c

@@ -13,7 +13,7 @@ def _pdserve(
     *args: str, stdin: str | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "pdserve.cli", *args],
         cwd=ROOT,
         input=stdin,
         capture_output=True,
@@ -39,7 +39,7 @@ def test_help_lists_commands_and_engine_flags():
 
 
 def test_generate_matches_the_embedded_api(tiny_llama_path):
-    from services.engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     res = _pdserve(
         "generate",

@@ -16,20 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from services.common.block_hash import prompt_block_hashes
-from services.common.fingerprint import model_fingerprint
-from services.common.grpc_utils import aio_channel
-from services.common.launcher import free_port
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    gateway_pb2,
-    gateway_pb2_grpc,
-)
-from services.common.redis_server import start_redis
-from services.common.registry_view import RegistryView
-from services.engine import LLM, SamplingParams
+from pdserve.controlplane.view import RegistryView
+from pdserve.core.fingerprint import model_fingerprint
+from pdserve.engine import LLM, SamplingParams
+from pdserve.kv.hashing import prompt_block_hashes
+from pdserve.local.launcher import free_port
+from pdserve.local.redis_server import start_redis
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.cluster import Cluster
 
 TTL_S = 2.0
@@ -63,17 +57,17 @@ def worker_specs(tiny_llama_path, url, prefix, prefill=1, decode=1, kvstore=True
     model = ["--model", str(tiny_llama_path)]
     specs = []
     if kvstore:
-        kv = ("kvstore", "services.kvstore", "--capacity-bytes", "64MiB", *reg)
+        kv = ("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB", *reg)
         specs.append((*kv, "--registry-ttl", str(TTL_S)))
-    specs += [(f"prefill-{i}", "services.prefill", *reg, *model, *ENGINE) for i in range(prefill)]
-    specs += [(f"decode-{i}", "services.decode", *reg, *model, *ENGINE) for i in range(decode)]
+    specs += [(f"prefill-{i}", "pdserve.prefill", *reg, *model, *ENGINE) for i in range(prefill)]
+    specs += [(f"decode-{i}", "pdserve.decode", *reg, *model, *ENGINE) for i in range(decode)]
     return specs
 
 
 def start_gateway(cluster, name, tiny_llama_path, url, prefix, *args):
     gw = cluster.start(
         name,
-        "services.gateway",
+        "pdserve.gateway",
         "--redis-url",
         url,
         "--redis-prefix",
@@ -407,12 +401,12 @@ async def test_losing_redis_fails_no_request_and_the_registry_recovers(tiny_llam
 async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
     tiny_llama_path, redis_server, cluster
 ):
-    from services.common.kv_client import KVStoreClient
+    from pdserve.kv.client import KVStoreClient
 
     url, prefix = redis_server.url, "replicas"
     reg = ["--redis-url", url, "--redis-prefix", prefix, "--registry-ttl", str(TTL_S)]
     kv_specs = [
-        (f"kvstore-{i}", "services.kvstore", "--capacity-bytes", "64MiB", *reg) for i in range(2)
+        (f"kvstore-{i}", "pdserve.kvstore", "--capacity-bytes", "64MiB", *reg) for i in range(2)
     ]
     kvs = start_all(cluster, kv_specs)
     view = RegistryView(url, prefix=prefix)

@@ -29,7 +29,7 @@ KEEPALIVE_BOUND_S = 2.0 + 2.0 + 6.0  # keepalive time + timeout, and room for a 
 CLIENT = """
 import sys
 import grpc
-from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 channel = grpc.insecure_channel(sys.argv[1])
 request = decode_pb2.DecodeRequest(
@@ -49,7 +49,7 @@ def decode(smollm2_path, tmp_path_factory):
     try:
         model = ["--model", str(smollm2_path), "--dtype", "float32", "--max-model-len", "4096"]
         blocks = ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
-        yield c, c.start("decode", "services.decode", *model, *blocks, env=KEEPALIVE_ENV)
+        yield c, c.start("decode", "pdserve.decode", *model, *blocks, env=KEEPALIVE_ENV)
     finally:
         c.stop_all()
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.engine.cuda_graphs import bucket_for, decode_buckets
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cuda_graphs import bucket_for, decode_buckets
 
 
 def test_decode_buckets():

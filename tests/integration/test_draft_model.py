@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.engine.draft_model import write_layer_draft
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.draft_model import write_layer_draft
 from tests.reference import generate_like_references, hf_greedy, random_prompts
 from tests.tiny_models import build_tiny_checkpoint
 
@@ -143,11 +143,11 @@ def test_workers_take_the_flag_and_only_decode_loads_the_draft(tiny_llama_path, 
     config = _config(tmp_path / "no-such-draft")
     c = Cluster(tmp_path / "logs")
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "16MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "16MiB")
         model = ["--model", str(tiny_llama_path), "--speculative-config", config]
-        c.start("prefill", "services.prefill", "--kvstore", kv.address, *model)
+        c.start("prefill", "pdserve.prefill", "--kvstore", kv.address, *model)
         decode = c.launcher.start(
-            "decode", [sys.executable, "-m", "services.decode", "--port", "0", *model], ()
+            "decode", [sys.executable, "-m", "pdserve.decode", "--port", "0", *model], ()
         )
         assert decode.proc.wait(timeout=120) == 2
         assert "is not a checkpoint directory" in decode.log_text()

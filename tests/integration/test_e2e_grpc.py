@@ -9,15 +9,9 @@ import random
 import grpc
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    gateway_pb2,
-    gateway_pb2_grpc,
-)
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
@@ -29,21 +23,21 @@ def cluster(tiny_llama_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("e2e-logs"))
     model = ["--model", str(tiny_llama_path)]
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
         known = ["--kvstore", kv.address]
         # decode-bs32 has another block size and dtype: it must refuse the prefill worker's
         # blocks.
         odd = ["--num-kv-blocks", "256", "--block-size", "32", "--dtype", "bfloat16"]
         pre, dec, odd = c.start_many(
-            ("prefill", "services.prefill", *known, *model, *ENGINE),
-            ("decode", "services.decode", *known, *model, *ENGINE),
-            ("decode-bs32", "services.decode", *known, *model, *odd),
+            ("prefill", "pdserve.prefill", *known, *model, *ENGINE),
+            ("decode", "pdserve.decode", *known, *model, *ENGINE),
+            ("decode-bs32", "pdserve.decode", *known, *model, *odd),
         )
         c.start_many(
-            ("gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address, *model),
-            ("gateway-colocated", "services.gateway", "--decode", dec.address,
+            ("gateway", "pdserve.gateway", "--prefill", pre.address, "--decode", dec.address, *model),
+            ("gateway-colocated", "pdserve.gateway", "--decode", dec.address,
              "--disaggregation", "off", *model),
-            ("gateway-mismatch", "services.gateway", "--prefill", pre.address,
+            ("gateway-mismatch", "pdserve.gateway", "--prefill", pre.address,
              "--decode", odd.address, *model),
         )  # fmt: skip
         yield c

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from services.common.kv_blocks import FetchedBlocks
-from services.engine import LLM, SamplingParams
-from services.engine.async_engine import AsyncEngine, Handover
-from services.engine.sequence import PREFILLED
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine, Handover
+from pdserve.engine.sequence import PREFILLED
+from pdserve.kv.blocks import FetchedBlocks
 
 PROMPT = list(range(40, 90))  # 3 full blocks and a tail of 2
 

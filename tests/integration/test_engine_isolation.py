@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.engine.async_engine import AsyncEngine
-from services.engine.sequence import Sequence
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.sequence import Sequence
 from tests.reference import compare, hf_greedy
 
 MAX_NEW = 12

@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import asyncio, json, os, sys, threading
 import torch
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine import LLMEngine
-from services.common.config import EngineArgs
-from services.common.sampling import SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.settings.engine import EngineArgs
+from pdserve.core.sampling import SamplingParams
 
 torch.set_num_threads(2)
 path = sys.argv[1]

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.engine.async_engine import AsyncEngine, EngineDead
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine, EngineDead
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 PROMPT = list(range(5, 30))

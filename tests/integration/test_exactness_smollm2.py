@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.reference import compare, hf_greedy
 
 MAX_NEW = 64

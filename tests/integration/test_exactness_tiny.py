@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import LLM
-from services.engine.model import ops
+from pdserve.engine import LLM
+from pdserve.engine.model import ops
 from tests.reference import generate_like_references, hf_greedy, random_prompts
 
 MAX_NEW = 64
@@ -123,7 +123,7 @@ def test_triton_backend_matches_transformers(case, request):
     else:
         engine_args = dict(max_num_batched_tokens=4096)
     pytest.importorskip("triton")
-    from kernels.triton_attention import TRITON_AVAILABLE
+    from pdserve.kernels.triton_attention import TRITON_AVAILABLE
 
     if not TRITON_AVAILABLE:
         pytest.skip("triton could not be loaded")

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import gateway_pb2, gateway_pb2_grpc
-from services.common.tokenizer import Tokenizer
-from services.gateway.server import main as gateway_main
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.gateway.server import main as gateway_main
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.test_gateway_orchestration import (
     ANSWER,
     REPO,
@@ -51,7 +51,7 @@ async def test_process_serves_and_stops_on_sigterm(smollm2_path):
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "services.gateway",
+            "pdserve.gateway",
             "--port=0",
             "--http-port=0",
             f"--prefill={p}",

@@ -13,8 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.grpc_utils import aio_channel, start_server
-from services.common.pb import (
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.requests import ModelLimits
+from pdserve.gateway.router import Router, RoutingPolicy, StaticPools
+from pdserve.gateway.server import SERVICE_NAME, GatewayServicer
+from pdserve.runtime.rpc import aio_channel, start_server
+from pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
@@ -23,11 +28,6 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common.tokenizer import Tokenizer
-from services.gateway.orchestrator import Orchestrator
-from services.gateway.requests import ModelLimits
-from services.gateway.router import Router, RoutingPolicy, StaticPools
-from services.gateway.server import SERVICE_NAME, GatewayServicer
 
 # Every wait on the fakes is bounded by this. The events come in milliseconds; the bound
 # only has to hold on a loaded machine (the suite's other process takes the other core).

@@ -10,10 +10,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import grpc_utils
-from services.common.command_config import known_env
-from services.common.grpc_utils import MAX_RECONNECT_BACKOFF_MS, aio_channel, start_server
-from services.common.launcher import free_port
+from pdserve.local.launcher import free_port
+from pdserve.runtime import rpc as grpc_utils
+from pdserve.runtime.rpc import MAX_RECONNECT_BACKOFF_MS, aio_channel, start_server
+from pdserve.settings import variables
+from pdserve.settings.commands import known_env
 
 
 async def test_health_serves_and_a_taken_port_is_refused():
@@ -64,7 +65,7 @@ async def test_a_peer_back_at_its_address_is_dialled_again_within_the_backoff_ca
 
 
 def test_keepalive_seconds_come_from_the_environment(monkeypatch, caplog):
-    name = grpc_utils.KEEPALIVE_TIME_ENV
+    name = variables.GRPC_KEEPALIVE_TIME
     monkeypatch.delenv(name, raising=False)
     assert grpc_utils._seconds_from_env(name, 20.0) == 20.0
     monkeypatch.setenv(name, "2.5")

@@ -10,9 +10,14 @@ import re
 
 import pytest
 
-from services.common.command_config import PrepareModelSettings, known_env
-from services.common.config import DecodeSettings, GatewaySettings, KVStoreSettings, PrefillSettings
-from services.common.settings import parse_settings
+from pdserve.settings.commands import PrepareModelSettings, known_env
+from pdserve.settings.flags import parse_settings
+from pdserve.settings.services import (
+    DecodeSettings,
+    GatewaySettings,
+    KVStoreSettings,
+    PrefillSettings,
+)
 from tests.chart_pods import expand
 from tests.helm_chart import CHART, CI_VALUES, component, helm, of_kind, render, template
 from tests.k8s_validate import validate

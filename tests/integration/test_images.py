@@ -1,8 +1,8 @@
 """The container images (Dockerfile) as far as they can be checked without a container engine:
 their install steps are Makefile targets that exist, what they copy exists and is not
-ignored, they agree with the chart (variants, user, cache directory), an installed wheel
-carries the C kernel sources, and the slim image's packages are enough for the gateway and
-the kvstore to serve."""
+ignored, they agree with the chart (variants, user, cache directory), and the slim image's
+packages are enough for the gateway and the kvstore to serve (the wheel itself:
+test_packaging.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,14 @@ import importlib.util
 import json
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import tomllib
-import zipfile
 
 import pytest
 
-from services.common.launcher import Launcher
+from pdserve.local.launcher import Launcher
 from tests.helm_chart import CHART, of_kind, render
 from tests.integration.test_torch_free_start import imported_modules
 
@@ -113,28 +111,6 @@ def test_the_images_are_the_charts_variants():
     assert stages()[-1] == "engine"
 
 
-def test_a_built_wheel_carries_the_c_kernel_sources(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src)
-    for name in ("services", "kernels"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-        + [str(src), "-w", str(tmp_path / "wheel")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    (wheel,) = (tmp_path / "wheel").glob("pdserve-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    csrc = ROOT / "kernels" / "csrc"
-    kernels = {p.relative_to(ROOT).as_posix() for p in [*csrc.glob("*.c"), *csrc.glob("*.cpp")]}
-    assert kernels and kernels <= names
-
-
 def test_the_slim_requirements_leave_out_only_the_engine():
     slim = {requirement_name(r) for r in slim_requirements()}
     every = {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
@@ -151,7 +127,7 @@ class Slim(importlib.abc.MetaPathFinder):
         if name.partition(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r} (not in the slim image)")
 sys.meta_path.insert(0, Slim())
-from services.cli import main
+from pdserve.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -13,9 +13,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.grpc_utils import aio_channel, start_server
-from services.common.kv_blocks import LAYOUT_VERSION, BlockLayout
-from services.common.pb import (
+from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout
+from pdserve.kv.convert import layout_to_proto
+from pdserve.kvstore.server import SERVICE_NAME, KVStoreServicer
+from pdserve.kvstore.store import BlockStore
+from pdserve.runtime.rpc import aio_channel, start_server
+from pdserve.runtime.trust import Trust
+from pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
@@ -26,10 +30,6 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common.trust import Trust
-from services.common.wire import layout_to_proto
-from services.kvstore.server import SERVICE_NAME, KVStoreServicer
-from services.kvstore.store import BlockStore
 from tests.cluster import ROOT, Cluster
 from tests.tls_certs import make_cluster_certs
 
@@ -143,13 +143,13 @@ def token_cluster(tiny_chat_llama_path, tmp_path_factory):
     mp.undo()
     model = ["--model", str(tiny_chat_llama_path), *ENGINE]
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
         pre, dec = c.start_many(
-            ("prefill", "services.prefill", "--kvstore", kv.address, *model),
-            ("decode", "services.decode", "--kvstore", kv.address, *model),
+            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model),
+            ("decode", "pdserve.decode", "--kvstore", kv.address, *model),
         )
         c.start(
-            "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address,
+            "gateway", "pdserve.gateway", "--prefill", pre.address, "--decode", dec.address,
             "--model", str(tiny_chat_llama_path), "--http-port", "-1",
         )  # fmt: skip
         yield c
@@ -249,14 +249,14 @@ def tls_cluster(tiny_chat_llama_path, tmp_path_factory, certs):
     c = Cluster(tmp_path_factory.mktemp("tls-logs"))
     model = ["--model", str(tiny_chat_llama_path), *ENGINE]
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB", *internal)
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB", *internal)
         pre, dec = c.start_many(
-            ("prefill", "services.prefill", "--kvstore", kv.address, *model, *internal),
-            ("decode", "services.decode", "--kvstore", kv.address, *model, *internal),
+            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model, *internal),
+            ("decode", "pdserve.decode", "--kvstore", kv.address, *model, *internal),
         )
         # The public front serves TLS; its clients need no certificate of their own.
         c.start(
-            "gateway", "services.gateway", "--prefill", pre.address, "--decode", dec.address,
+            "gateway", "pdserve.gateway", "--prefill", pre.address, "--decode", dec.address,
             "--model", str(tiny_chat_llama_path), "--http-port", "-1", *tls,
             "--internal-token-file", str(token_file),
         )  # fmt: skip
@@ -306,7 +306,7 @@ async def test_plaintext_and_strangers_are_refused(tls_cluster, certs):
 
 def _kvstore_start(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.kvstore", "--port", "0", *args],
+        [sys.executable, "-m", "pdserve.kvstore", "--port", "0", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -335,14 +335,14 @@ def test_bad_tls_files_stop_the_start_naming_the_flag(certs, tmp_path):
 
 
 async def test_the_kvstore_keeps_its_configured_layout(tmp_path):
-    from services.common.kv_client import KVStoreClient
-    from services.kvstore.store import layout_to_text
+    from pdserve.kv.client import KVStoreClient
+    from pdserve.kvstore.store import layout_to_text
 
     bad = _kvstore_start("--block-layout", "version=1,dtype=float32")
     assert bad.returncode == 2 and "--block-layout needs exactly the fields" in bad.stderr
     c = Cluster(tmp_path)
     try:
-        kv = c.start("kvstore", "services.kvstore", "--block-layout", layout_to_text(LAYOUT))
+        kv = c.start("kvstore", "pdserve.kvstore", "--block-layout", layout_to_text(LAYOUT))
         other = layout_to_proto(BlockLayout(LAYOUT_VERSION, b"\x02" * 16, "float32", 16, 2, 2, 16))
         async with KVStoreClient(kv.address) as client:
             with pytest.raises(grpc.aio.AioRpcError) as refused:

@@ -27,17 +27,17 @@ def cluster(tiny_chat_llama_path, tmp_path_factory):
     model = ["--model", str(tiny_chat_llama_path)]
     gateway = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL, *model]
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
         known = ["--kvstore", kv.address]
         pre, d0, d1 = c.start_many(
-            ("prefill", "services.prefill", *known, *model, *ENGINE),
-            ("decode-0", "services.decode", *model, *ENGINE, *known),
-            ("decode-1", "services.decode", *model, *ENGINE, *known),
+            ("prefill", "pdserve.prefill", *known, *model, *ENGINE),
+            ("decode-0", "pdserve.decode", *model, *ENGINE, *known),
+            ("decode-1", "pdserve.decode", *model, *ENGINE, *known),
         )
         one, two = c.start_many(
-            ("gateway-one", "services.gateway", "--prefill", pre.address,
+            ("gateway-one", "pdserve.gateway", "--prefill", pre.address,
              "--decode", d0.address, *gateway),
-            ("gateway-two", "services.gateway", "--prefill", pre.address,
+            ("gateway-two", "pdserve.gateway", "--prefill", pre.address,
              "--decode", d0.address, "--decode", d1.address, "--routing", "round-robin",
              *gateway),
         )  # fmt: skip

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.kv_client import KVStoreClient
-from services.common.launcher import free_port
-from services.common.pb import (
+from pdserve.engine import LLM
+from pdserve.kv.client import KVStoreClient
+from pdserve.kv.convert import layout_to_proto
+from pdserve.local.launcher import free_port
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import (
     common_pb2,
     decode_pb2,
     kvstore_pb2,
@@ -26,8 +28,6 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common.wire import layout_to_proto
-from services.engine import LLM
 from tests.cluster import Cluster, decode_idle, decode_stat
 from tests.integration.test_block_integrity import (
     decode_call,
@@ -96,7 +96,7 @@ async def broken_kvstore(cluster: Cluster, address: str, fault: str, blocks=()):
             yield servicer
         return
     port = address.rsplit(":", 1)[1]
-    kvstore = cluster.start("kvstore-" + port, "services.kvstore", "--port", port)
+    kvstore = cluster.start("kvstore-" + port, "pdserve.kvstore", "--port", port)
     if blocks:
         async with KVStoreClient(address) as client:
             request = kvstore_pb2.PutBlocksRequest(layout=blocks[0].layout, blocks=blocks)
@@ -137,10 +137,10 @@ def cluster(tiny_llama_path, tmp_path_factory):
     c.sound_kvstore = f"127.0.0.1:{free_port()}"
     try:
         c.decode, c.prefill = c.start_many(
-            ("decode", "services.decode", *model,
+            ("decode", "pdserve.decode", *model,
              *("--kvstore", c.fetch_kvstore, "--kvstore", c.sound_kvstore),
              *("--kv-fetch-timeout", "1")),
-            ("prefill", "services.prefill", *model,
+            ("prefill", "pdserve.prefill", *model,
              *("--kvstore", c.push_kvstore, "--kv-push-timeout", "1")),
             ready={"decode": ("decode-metrics",), "prefill": ("prefill-metrics",)},
         )  # fmt: skip

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

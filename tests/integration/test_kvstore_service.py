@@ -13,11 +13,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.grpc_utils import STREAM_CHUNK_BYTES, aio_channel
-from services.common.kv_blocks import block_checksum
-from services.common.kv_client import KVStoreClient, put_requests
-from services.common.launcher import Child, Launcher
-from services.common.pb import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from pdserve.kv.blocks import block_checksum
+from pdserve.kv.client import KVStoreClient, put_requests
+from pdserve.local.launcher import Child, Launcher
+from pdserve.runtime.rpc import STREAM_CHUNK_BYTES, aio_channel
+from pdserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,7 +49,7 @@ def blocks(prefix: str, n: int, size: int = MiB) -> list[tuple[bytes, bytes, int
     return [(f"{prefix}/{i}".encode(), bytes([i % 256]) * size, 16) for i in range(n)]
 
 
-KVSTORE = [sys.executable, "-m", "services.kvstore", "--port", "0"]
+KVSTORE = [sys.executable, "-m", "pdserve.kvstore", "--port", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +335,7 @@ async def test_health_reports_serving_and_reflection_lists_the_service(kvstore):
 
 
 async def test_pdserve_kvstore_reads_env_and_stops_cleanly_on_sigterm(launcher):
-    argv = [sys.executable, "-m", "services.cli", "kvstore", "--port", "0"]
+    argv = [sys.executable, "-m", "pdserve.cli", "kvstore", "--port", "0"]
     env = {"PDSERVE_CAPACITY_BYTES": "3MiB"}
     child = launcher.start_ready("kvstore-env", argv, ["kvstore"], timeout=30, env=env)
     assert child.address.startswith("127.0.0.1:") and not child.address.endswith(":0")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.reference import compare, hf_greedy
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.redis_server import start_redis
+from pdserve.local.redis_server import start_redis
 from tests.cluster import ROOT, Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
@@ -51,7 +51,7 @@ def cluster(tiny_chat_llama_path, redis_server, tmp_path_factory):
     try:
         c.start(
             "kvstore",
-            "services.kvstore",
+            "pdserve.kvstore",
             "--capacity-bytes",
             "64MiB",
             *reg,
@@ -59,7 +59,7 @@ def cluster(tiny_chat_llama_path, redis_server, tmp_path_factory):
         )
         for role in ("prefill", "decode"):
             c.start(role, f"services.{role}", *reg, *model, *ENGINE, ready=(f"{role}-metrics",))
-        gw = c.start("gateway", "services.gateway", *reg, *model, "--served-model-name", "tiny")
+        gw = c.start("gateway", "pdserve.gateway", *reg, *model, "--served-model-name", "tiny")
         c.metrics_urls = {
             "gateway": f"http://{gw.addresses['gateway-http']}/metrics",
             **{
@@ -279,7 +279,7 @@ def test_counters_and_histograms_move_by_what_the_requests_did(measured):
 
 def test_the_registry_and_status_show_each_metrics_address(cluster, redis_server):
     status = subprocess.run(
-        [sys.executable, "-m", "services.cli", "status", "--json"]
+        [sys.executable, "-m", "pdserve.cli", "status", "--json"]
         + ["--redis-url", redis_server.url, "--redis-prefix", PREFIX],
         cwd=ROOT,
         capture_output=True,

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster import Cluster, decode_idle, decode_stat
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "16"]
@@ -29,18 +29,18 @@ def start_cluster(model_path, log_dir, disaggregated: bool, decode0_env=None) ->
     c = Cluster(log_dir)
     model = ["--model", str(model_path)]
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
         known = ["--kvstore", kv.address]
         workers = c.start_many(
-            ("decode-0", "services.decode", *model, *ENGINE, *known, decode0_env or {}),
-            ("decode-1", "services.decode", *model, *ENGINE, *known),
-            *([("prefill", "services.prefill", *known, *model, *ENGINE)] if disaggregated else []),
+            ("decode-0", "pdserve.decode", *model, *ENGINE, *known, decode0_env or {}),
+            ("decode-1", "pdserve.decode", *model, *ENGINE, *known),
+            *([("prefill", "pdserve.prefill", *known, *model, *ENGINE)] if disaggregated else []),
         )
         pools = ["--prefill", workers[2].address] if disaggregated else ["--disaggregation", "off"]
         pools += ["--decode", workers[0].address, "--decode", workers[1].address]
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             *pools,
             "--routing",
             "round-robin",
@@ -80,7 +80,7 @@ def unmigrating(cluster, tiny_chat_llama_path):
             pools += [f"--{s.name.split('-')[0]}", s.address]
     gw = cluster.start(
         "gateway-unmigrating",
-        "services.gateway",
+        "pdserve.gateway",
         *pools,
         *("--routing", "round-robin", "--stream-idle-timeout", str(IDLE_S)),
         *("--migration-limit", "0", "--served-model-name", MODEL),

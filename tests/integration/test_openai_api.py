@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import decode_pb2, decode_pb2_grpc
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
@@ -31,14 +31,14 @@ def cluster(chat_model, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("openai-logs"))
     model = ["--model", str(chat_model)]
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
         pre, dec = c.start_many(
-            ("prefill", "services.prefill", "--kvstore", kv.address, *model, *ENGINE),
-            ("decode", "services.decode", "--kvstore", kv.address, *model, *ENGINE),
+            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model, *ENGINE),
+            ("decode", "pdserve.decode", "--kvstore", kv.address, *model, *ENGINE),
         )
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             "--prefill",
             pre.address,
             "--decode",

@@ -27,10 +27,10 @@ def fuzz_gateway(tiny_chat_llama_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("fuzz-logs"))
     model = ["--model", str(chat_model)]
     try:
-        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        dec = c.start("decode", "pdserve.decode", *model, *ENGINE)
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             "--decode",
             dec.address,
             "--disaggregation",

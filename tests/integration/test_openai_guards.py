@@ -11,12 +11,12 @@ import httpx
 import openai
 import pytest
 
-from services.common.tokenizer import Tokenizer
-from services.gateway.admission import Admission
-from services.gateway.http import HttpServer
-from services.gateway.openai_api import Served, create_app
-from services.gateway.orchestrator import Orchestrator
-from services.gateway.requests import ModelLimits
+from pdserve.core.tokenizer import Tokenizer
+from pdserve.gateway.admission import Admission
+from pdserve.gateway.http import HttpServer
+from pdserve.gateway.openai_api import Served, create_app
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.requests import ModelLimits
 from tests.integration.test_gateway_orchestration import FakeDecode, orchestrating, serving
 from tests.integration.test_openai_api import MAX_MODEL_LEN, MODEL_NAME, PROMPT_IDS, _error
 

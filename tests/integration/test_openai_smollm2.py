@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
@@ -20,13 +20,13 @@ def cluster(smollm2_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("smol-logs"))
     model = ["--model", str(smollm2_path)]
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "256MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "256MiB")
         known = ["--kvstore", kv.address]
         pre, dec = c.start_many(
-            ("prefill", "services.prefill", *known, *model, *ENGINE),
+            ("prefill", "pdserve.prefill", *known, *model, *ENGINE),
             (
                 "decode",
-                "services.decode",
+                "pdserve.decode",
                 *known,
                 "--speculative-config",
                 SPECULATIVE,
@@ -36,7 +36,7 @@ def cluster(smollm2_path, tmp_path_factory):
         )
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             "--prefill",
             pre.address,
             "--decode",

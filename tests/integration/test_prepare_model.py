@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common import model
-from services.common.fingerprint import FINGERPRINT_FILE, compute_fingerprint, model_fingerprint
-from services.engine import prepare_model as pm
+from pdserve.core import model
+from pdserve.core.fingerprint import FINGERPRINT_FILE, compute_fingerprint, model_fingerprint
+from pdserve.engine import prepare_model as pm
 
 EXPECTED_FILES = [
     "config.json",

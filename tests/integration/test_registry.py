@@ -8,10 +8,10 @@ import signal
 
 import pytest
 
-from services.common.redis_server import start_redis
-from services.common.registry import WorkerInfo
-from services.common.registry_publisher import RegistryPublisher
-from services.common.registry_view import RegistryView
+from pdserve.controlplane.publisher import RegistryPublisher
+from pdserve.controlplane.registry import WorkerInfo
+from pdserve.controlplane.view import RegistryView
+from pdserve.local.redis_server import start_redis
 
 TTL_S = 1.5
 WAIT_S = 10.0

@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "8192", "--max-num-seqs", "128"]
@@ -29,10 +29,10 @@ def gateway(tiny_chat_llama_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("slow-reader-logs"))
     model = ["--model", str(tiny_chat_llama_path)]
     try:
-        dec = c.start("decode", "services.decode", *model, *ENGINE)
+        dec = c.start("decode", "pdserve.decode", *model, *ENGINE)
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             "--decode",
             dec.address,
             "--disaggregation",
@@ -53,7 +53,7 @@ def gateway(tiny_chat_llama_path, tmp_path_factory):
 
 
 # Two choices of many tokens with top logprobs: some 600 kB of events, more than the
-# sockets' buffers hold (the gateway's send buffer, see services.gateway.http, and a small
+# sockets' buffers hold (the gateway's send buffer, see pdserve.gateway.http, and a small
 # receive buffer here).
 STALLING = {
     "model": MODEL,

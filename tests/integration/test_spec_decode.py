@@ -17,10 +17,10 @@ import random
 import pytest
 import torch
 
-from services.common.block_hash import hash_block
-from services.engine import LLM, SamplingParams
-from services.engine.kv_cache_manager import cdiv
-from services.engine.sampler import filtered_probs
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.engine.sampler import filtered_probs
+from pdserve.kv.hashing import hash_block
 from tests.reference import generate_like_references, hf_greedy, random_prompts
 from tests.tiny_models import TINY_VOCAB
 

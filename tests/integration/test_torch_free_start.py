@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from services.common.launcher import Launcher
+from pdserve.local.launcher import Launcher
 from tests.cluster import ROOT
 
 HEAVY = ("torch", "transformers", "triton")

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.cluster import Cluster
 from tests.otlp_collector import OtlpCollector
 
@@ -58,16 +58,16 @@ def cluster(smollm2_path, collector, tmp_path_factory):
     traced = ["--otlp-traces-endpoint", collector.endpoint]
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export every 100 ms, not every 5 s
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "256MiB", *traced, env=env)
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "256MiB", *traced, env=env)
         known = ["--kvstore", kv.address]
         pre, dec = c.start_many(
-            ("prefill", "services.prefill", *known, *model, *ENGINE, *traced),
-            ("decode", "services.decode", *known, *model, *ENGINE, *traced),
+            ("prefill", "pdserve.prefill", *known, *model, *ENGINE, *traced),
+            ("decode", "pdserve.decode", *known, *model, *ENGINE, *traced),
             env=env,
         )
         gw = c.start(
             "gateway",
-            "services.gateway",
+            "pdserve.gateway",
             "--prefill",
             pre.address,
             "--decode",

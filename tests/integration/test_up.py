@@ -23,7 +23,7 @@ ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256
 
 def _start_up(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", *args],
+        [sys.executable, "-m", "pdserve.cli", "up", *args],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
@@ -114,7 +114,7 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
         deadline = time.monotonic() + 5
         while True:
             status = subprocess.run(
-                [sys.executable, "-m", "services.cli", "status", "--json"],
+                [sys.executable, "-m", "pdserve.cli", "status", "--json"],
                 cwd=ROOT,
                 env={**os.environ, **runtime},
                 capture_output=True,
@@ -187,7 +187,7 @@ def test_up_refuses_a_missing_model_before_starting_anything(tmp_path):
 
 def _status(redis_url: str) -> dict:
     status = subprocess.run(
-        [sys.executable, "-m", "services.cli", "status", "--redis-url", redis_url, "--json"],
+        [sys.executable, "-m", "pdserve.cli", "status", "--redis-url", redis_url, "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -218,7 +218,7 @@ def _pid_of(up_pid: int, command: str) -> int:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv[1:4] == [b"-m", b"services.cli", command.encode()]:
+        if argv[1:4] == [b"-m", b"pdserve.cli", command.encode()]:
             return pid
     raise AssertionError(f"no {command} among the children of {up_pid}")
 

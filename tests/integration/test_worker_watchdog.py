@@ -12,15 +12,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
-from services.common.redis_server import start_redis
+from pdserve.local.redis_server import start_redis
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
@@ -215,7 +209,7 @@ def test_slow_steps_under_the_stall_timeout_do_not_trip_it(cluster, redis_server
 
 
 def test_a_bad_fault_value_stops_the_start(cluster, redis_server, tiny_llama_path):
-    from services.common.launcher import StartFailed
+    from pdserve.local.launcher import StartFailed
 
     with pytest.raises(StartFailed, match="exited with code 2") as info:
         _worker(cluster, "decode", tiny_llama_path, redis_server, "engine-explode")

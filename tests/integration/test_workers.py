@@ -9,8 +9,9 @@ import random
 import grpc
 import pytest
 
-from services.common.grpc_utils import aio_channel
-from services.common.pb import (
+from pdserve.engine import LLM, SamplingParams
+from pdserve.runtime.rpc import aio_channel
+from pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
@@ -19,7 +20,6 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.engine import LLM, SamplingParams
 from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
@@ -30,11 +30,11 @@ MAX_NEW = 16
 def cluster(tiny_llama_path, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("logs"))
     try:
-        kv = c.start("kvstore", "services.kvstore", "--capacity-bytes", "64MiB")
+        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
         model = ["--model", str(tiny_llama_path), *ENGINE]
         c.start_many(
-            ("prefill", "services.prefill", "--kvstore", kv.address, *model),
-            ("decode", "services.decode", "--kvstore", kv.address, *model),
+            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model),
+            ("decode", "pdserve.decode", "--kvstore", kv.address, *model),
         )
         yield c
     finally:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.gateway.admission import Admission, Overloaded
+from pdserve.gateway.admission import Admission, Overloaded
 
 
 async def test_running_then_queued_then_refused():

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import attention_cpu as cpu
-from kernels import attention_ref as ref
+from pdserve.kernels import attention_cpu as cpu
+from pdserve.kernels import attention_ref as ref
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
 

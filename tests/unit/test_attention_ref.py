@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels import attention_ref as ref
+from pdserve.kernels import attention_ref as ref
 
 BS, HKV, GROUP, D = 4, 2, 3, 8
 H = HKV * GROUP

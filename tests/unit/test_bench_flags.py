@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.cli import _check_run_args, build_parser
+from pdserve.loadgen.cli import _check_run_args, build_parser
 
 
 def parsed(*argv: str) -> argparse.Namespace:

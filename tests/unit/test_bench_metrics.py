@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from services.bench.cli import main as bench_main
-from services.bench.client import arrival_times
-from services.bench.metrics import RequestRecord, compute_metrics, distribution, request_tpot
-from services.bench.workloads import WorkloadParams, build_workload, load_tokenizer
+from pdserve.loadgen.cli import main as bench_main
+from pdserve.loadgen.client import arrival_times
+from pdserve.loadgen.metrics import RequestRecord, compute_metrics, distribution, request_tpot
+from pdserve.loadgen.workloads import WorkloadParams, build_workload, load_tokenizer
 
 
 def record(ttft, itl, e2el, output_len, input_len=10, success=True, kind="", error=""):

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.common.block_hash import BlockHash, hash_block
-from services.engine.block_pool import BlockPool
+from pdserve.engine.block_pool import BlockPool
+from pdserve.kv.hashing import BlockHash, hash_block
 
 FP = b"fingerprint"
 

@@ -7,9 +7,10 @@ import re
 
 import pytest
 
-from services.common.config import EngineArgs, RegistrySettings
-from services.common.registry import advertised_address
-from services.common.sizes import parse_size
+from pdserve.controlplane.registry import advertised_address
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.process import RegistrySettings
+from pdserve.settings.sizes import parse_size
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import gemm_cpu, sgemm_cpu
-from services.engine.model import ops
-from services.engine.model.cpu_linear import (
+from pdserve.engine.model import ops
+from pdserve.engine.model.cpu_linear import (
     AMX_MAX_ROWS,
     PackedLinear,
     describe,
     pack_linears,
     packing_available,
 )
+from pdserve.kernels import gemm_cpu, sgemm_cpu
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN")
 BF16 = torch.bfloat16 if packing_available(torch.bfloat16) else None
@@ -84,7 +84,7 @@ def test_describe_counts_the_linears_by_the_layouts_they_hold():
 
 
 def test_linears_of_a_dtype_onednn_cannot_pack_stay_plain(monkeypatch):
-    from services.engine.model import cpu_linear
+    from pdserve.engine.model import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "packing_available", lambda dtype: dtype == torch.float32)
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32).to(torch.bfloat16))

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from kernels import attention_cpu
-from services.engine.attention import AttentionMetadata, PagedAttention
-from services.engine.forward_context import ForwardContext, forward_context
-from services.engine.model import ops
+from pdserve.engine.attention import AttentionMetadata, PagedAttention
+from pdserve.engine.forward_context import ForwardContext, forward_context
+from pdserve.engine.model import ops
+from pdserve.kernels import attention_cpu
 
 pytestmark = pytest.mark.skipif(
     ops.cpu_ops_error() is not None, reason=f"no C++ ops here: {ops.cpu_ops_error()}"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.gateway.detokenizer import IncrementalDetokenizer
 
 TEXT = "東京は日本の首都です。🙂🚀 Ça va? Привет"
 

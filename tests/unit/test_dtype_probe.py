@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from services.common.config import EngineArgs
-from services.common.model import ModelConfig
-from services.engine import dtype_probe
+from pdserve.core.model import ModelConfig
+from pdserve.engine import dtype_probe
+from pdserve.settings.engine import EngineArgs
 
 
 def test_the_probe_times_both_dtypes_and_keeps_its_answer(tiny_llama_path, tmp_path, monkeypatch):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common import fingerprint as fp
-from services.common.fingerprint import (
+from pdserve.core import fingerprint as fp
+from pdserve.core.fingerprint import (
     FINGERPRINT_FILE,
     compute_fingerprint,
     model_fingerprint,

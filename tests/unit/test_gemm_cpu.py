@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gemm_cpu
+from pdserve.kernels import gemm_cpu
 
 pytestmark = pytest.mark.skipif(not gemm_cpu.available(), reason="this CPU has no AMX")
 

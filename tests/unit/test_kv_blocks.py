@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from services.common.kv_blocks import (
+from pdserve.kv.blocks import (
     LAYOUT_VERSION,
     BlockLayout,
     FetchedBlocks,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.block_hash import hash_block
-from services.common.sampling import SamplingParams
-from services.engine.block_pool import BlockPool
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.sequence import Sequence
+from pdserve.core.sampling import SamplingParams
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.sequence import Sequence
+from pdserve.kv.hashing import hash_block
 
 FP = b"fp"
 BS = 4

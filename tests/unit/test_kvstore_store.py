@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from services.common.kv_blocks import BlockLayout, LayoutMismatch
-from services.common.wire import layout_from_proto
-from services.kvstore.store import BlockStore, StoredBlock
+from pdserve.kv.blocks import BlockLayout, LayoutMismatch
+from pdserve.kv.convert import layout_from_proto
+from pdserve.kvstore.store import BlockStore, StoredBlock
 
 LAYOUT = BlockLayout(
     version=1,
@@ -178,7 +178,7 @@ def test_layout_mismatch_names_each_differing_field_with_both_values():
 
 
 def test_layout_from_proto_reads_a_block_layout_message():
-    from services.common.pb import common_pb2
+    from pdserve.v1 import common_pb2
 
     message = common_pb2.BlockLayout(
         version=1,
@@ -199,7 +199,7 @@ def test_layout_from_proto_reads_a_block_layout_message():
 
 
 def test_batches_hold_at_most_max_bytes_and_a_larger_item_goes_alone():
-    from services.common.kv_client import batched_by_bytes
+    from pdserve.kv.client import batched_by_bytes
 
     sizes = [3, 3, 2, 5, 1, 4, 4]
     assert list(batched_by_bytes(sizes, lambda n: n, 4)) == [[3], [3], [2], [5], [1], [4], [4]]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.common.launcher import Launcher, StartFailed
+from pdserve.local.launcher import Launcher, StartFailed
 
 
 @pytest.fixture

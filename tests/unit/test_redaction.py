@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import DecodeSettings, RedisSettings, RegistrySettings
-from services.common.redaction import redact_url
-from services.common.registry_view import RegistryView
+from pdserve.controlplane.view import RegistryView
+from pdserve.settings.process import RedisSettings, RegistrySettings
+from pdserve.settings.redaction import redact_url
+from pdserve.settings.services import DecodeSettings
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,7 @@ def test_a_redis_password_stays_out_of_settings_and_errors():
 
 
 def test_status_prints_no_redis_password(capsys):
-    from services.status import main
+    from pdserve.status import main
 
     assert main(["--redis-url", "redis://:hunter2@127.0.0.1:1/0"]) == 1
     err = capsys.readouterr().err

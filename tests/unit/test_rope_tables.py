@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.model import ModelConfig
-from services.engine.model.loader import _plain_rope_theta, rope_tables
+from pdserve.core.model import ModelConfig
+from pdserve.engine.model.loader import _plain_rope_theta, rope_tables
 
 
 def _checkpoint_config(path, rope_parameters, head_dim=16):

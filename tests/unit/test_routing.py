@@ -7,15 +7,15 @@ from collections import Counter
 
 import pytest
 
-from services.common.block_hash import hash_block, prompt_block_hashes
-from services.common.registry import WorkerInfo, rendezvous_owner
-from services.gateway.router import (
+from pdserve.controlplane.registry import WorkerInfo, rendezvous_owner
+from pdserve.gateway.router import (
     NoWorkerError,
     Router,
     RoutingPolicy,
     StaticPools,
     score,
 )
+from pdserve.kv.hashing import hash_block, prompt_block_hashes
 
 FP = b"f" * 16
 FP_HEX = FP.hex()
@@ -167,7 +167,7 @@ async def test_prompts_sent_lately_count_before_the_registry_shows_them():
 
 
 def test_sent_blocks_expire_and_stay_bounded():
-    from services.gateway.router import SentBlocks
+    from pdserve.gateway.router import SentBlocks
 
     sent = SentBlocks(ttl_s=60, max_per_worker=3)
     sent.remember("w", [b"a", b"b", b"c", b"d"])

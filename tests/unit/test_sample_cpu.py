@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import sample_cpu
+from pdserve.kernels import sample_cpu
 
 pytestmark = pytest.mark.skipif(not sample_cpu.available(), reason="no AVX-512 or AVX2 argmax here")
 

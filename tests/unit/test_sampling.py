@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from services.common.pb import common_pb2
-from services.common.sampling import MAX_LOGPROBS, SamplingParams
-from services.common.wire import sampling_from_proto, sampling_to_proto
-from services.engine.sampler import Sampler, apply_penalties
-from services.engine.sequence import Sequence
+from pdserve.core.sampling import MAX_LOGPROBS, SamplingParams
+from pdserve.engine.sampler import Sampler, apply_penalties
+from pdserve.engine.sequence import Sequence
+from pdserve.v1 import common_pb2
+from pdserve.wire.convert import sampling_from_proto, sampling_to_proto
 
 NAN = float("nan")
 
@@ -432,7 +432,7 @@ def test_a_fault_in_one_rows_sampling_leaves_the_others_as_they_were():
 
 
 def test_top_p_among_candidates_keeps_what_the_whole_sort_keeps():
-    from services.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered
+    from pdserve.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered
 
     gen = torch.Generator().manual_seed(11)
     # Peaked rows (their nucleus is among the first candidates) and flat ones (it is not),

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from services.common.sampling import SamplingParams
-from services.common.speculative import SpeculativeConfig
-from services.engine.block_pool import BlockPool
-from services.engine.kv_cache_manager import KVCacheManager, cdiv
-from services.engine.outputs import ModelRunnerOutput
-from services.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from services.engine.sequence import Sequence, SequenceStatus
-from services.engine.spec_decode import SpecDecoder, accept_drafts
+from pdserve.core.sampling import SamplingParams
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.outputs import ModelRunnerOutput
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode import SpecDecoder, accept_drafts
+from pdserve.settings.speculative import SpeculativeConfig
 
 BS = 4
 EOS = 2

@@ -10,20 +10,14 @@ import typing
 
 import pytest
 
-from services.common.command_config import ALL_SETTINGS, UpSettings, known_env
-from services.common.config import (
+from pdserve.settings.commands import ALL_SETTINGS, UpSettings, known_env
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.flags import build_parser, options, parse_settings, to_argv, warn_unknown_env
+from pdserve.settings.services import (
     DecodeSettings,
-    EngineArgs,
     GatewaySettings,
     KVStoreSettings,
     PrefillSettings,
-)
-from services.common.settings import (
-    build_parser,
-    options,
-    parse_settings,
-    to_argv,
-    warn_unknown_env,
 )
 
 SERVICES = (GatewaySettings, PrefillSettings, DecodeSettings, KVStoreSettings)

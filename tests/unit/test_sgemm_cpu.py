@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import sgemm_cpu
+from pdserve.kernels import sgemm_cpu
 
 pytestmark = pytest.mark.skipif(
     not sgemm_cpu.available(), reason="the sgemm kernel is for AVX2 CPUs without AVX-512"

@@ -9,18 +9,19 @@ import sys
 
 import pytest
 
-from services.common.config import EngineArgs
-from services.common.sampling import SamplingParams
-from services.common.settings import SettingsError
-from services.common.speculative import SpecDecodeStats, SpeculativeConfig
-from services.engine.sequence import Sequence
-from services.engine.spec_decode import (
+from pdserve.core.errors import SettingsError
+from pdserve.core.sampling import SamplingParams
+from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode import (
     ACCEPTANCE_WINDOW,
     BACKOFF_STEPS,
     NgramProposer,
     SpecDecoder,
     accept_drafts,
 )
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.speculative import SpeculativeConfig
 
 
 @pytest.mark.parametrize(
@@ -99,7 +100,7 @@ def test_a_bad_config_is_refused_naming_the_field(value, named):
 def test_a_bad_config_stops_a_decode_worker_at_start():
     bad = json.dumps({"method": "ngram", "prompt_lookup_max": -1})
     res = subprocess.run(
-        [sys.executable, "-m", "services.decode", "--speculative-config", bad],
+        [sys.executable, "-m", "pdserve.decode", "--speculative-config", bad],
         capture_output=True,
         text=True,
         timeout=60,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.sampling import SamplingParams
-from services.engine.sequence import Sequence
-from services.engine.step_inputs import StepInputs
+from pdserve.core.sampling import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_inputs import StepInputs
 
 BS = 4
 

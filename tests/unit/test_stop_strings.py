@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.gateway.stop import StopChecker
+from pdserve.gateway.stop import StopChecker
 
 
 def _run(stop: list[str], chunks: list[str]) -> tuple[list[str], bool]:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from services.common.launcher import Launcher
-from services.supervisor import GaveUp, RestartPolicy, Supervisor
+from pdserve.local.launcher import Launcher
+from pdserve.local.supervisor import GaveUp, RestartPolicy, Supervisor
 
 SERVE = "import time; print('READY svc 127.0.0.1:5', flush=True); time.sleep(60)"
 FAST = RestartPolicy(first_delay_s=0.2, max_delay_s=0.4, healthy_after_s=60.0, max_crashes=5)

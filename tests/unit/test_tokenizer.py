@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.tokenizer import ChatTemplateError, Tokenizer
+from pdserve.core.tokenizer import ChatTemplateError, Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
@@ -232,7 +232,7 @@ def test_missing_tokenizer_json_says_what_is_missing(tmp_path):
 def test_loading_and_encoding_never_imports_torch(tiny_chat_llama_path):
     code = (
         "import sys\n"
-        "from services.common.tokenizer import Tokenizer\n"
+        "from pdserve.core.tokenizer import Tokenizer\n"
         "tok = Tokenizer.from_dir(sys.argv[1])\n"
         "tok.decode(tok.encode('hello'))\n"
         "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from services.common import tracing
+from pdserve.runtime import tracing
 from tests.cluster import ROOT
 
 OFF = """
 import sys
-from services.common import tracing
+from pdserve.runtime import tracing
 span = tracing.start_span("x", tracing.from_headers({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}))
 with span as inner:
     inner.set_attribute("k", 1)

@@ -21,10 +21,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-import kernels  # noqa: E402
-from kernels import attention_ref as ref  # noqa: E402
-from kernels import triton_attention as tk  # noqa: E402
-from kernels import triton_decode  # noqa: E402
+import pdserve.kernels  # noqa: E402
+from pdserve.kernels import attention_ref as ref  # noqa: E402
+from pdserve.kernels import triton_attention as tk  # noqa: E402
+from pdserve.kernels import triton_decode  # noqa: E402
 
 _INTERPRETED = type(triton_decode._decode_split_kernel).__name__ == "InterpretedFunction"
 if _INTERPRETED:
@@ -306,10 +306,10 @@ def test_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
     # The backend and the modules it imports load afresh; monkeypatch puts the loaded ones back.
-    for name in [n for n in sys.modules if n.startswith("kernels.triton_")]:
+    for name in [n for n in sys.modules if n.startswith("pdserve.kernels.triton_")]:
         monkeypatch.delitem(sys.modules, name)
-        monkeypatch.delattr(kernels, name.removeprefix("kernels."))
-    module = importlib.import_module("kernels.triton_attention")
+        monkeypatch.delattr(pdserve.kernels, name.removeprefix("pdserve.kernels."))
+    module = importlib.import_module("pdserve.kernels.triton_attention")
 
     assert module.TRITON_AVAILABLE is False
     with pytest.raises(RuntimeError, match="triton is not installed"):

@@ -7,17 +7,14 @@ import dataclasses
 
 import pytest
 
-from services.common.command_config import UpSettings
-from services.common.config import (
-    DecodeSettings,
-    InternalSecuritySettings,
-    RedisSettings,
-    RegistrySettings,
-)
-from services.common.kv_blocks import BlockLayout
-from services.common.settings import SettingsError, parse_settings, secret_env, to_argv
-from services.common.trust_files import read_token
-from services.kvstore.store import BlockStore, layout_from_text, layout_to_text
+from pdserve.core.errors import SettingsError
+from pdserve.kv.blocks import BlockLayout
+from pdserve.kvstore.store import BlockStore, layout_from_text, layout_to_text
+from pdserve.runtime.trust_files import read_token
+from pdserve.settings.commands import UpSettings
+from pdserve.settings.flags import parse_settings, secret_env, to_argv
+from pdserve.settings.process import InternalSecuritySettings, RedisSettings, RegistrySettings
+from pdserve.settings.services import DecodeSettings
 from tests.cluster import ROOT
 
 TOKEN = "a-token-long-enough-for-the-check"
@@ -71,12 +68,12 @@ def test_up_loads_no_grpc():
     import subprocess
     import sys
 
-    code = "import sys, services.up; sys.exit('grpc' in sys.modules)"
+    code = "import sys, pdserve.up; sys.exit('grpc' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
 
 
 def test_up_makes_a_token_per_cluster_unless_given(tmp_path):
-    from services.up import cluster_security
+    from pdserve.up import cluster_security
 
     made = [cluster_security(UpSettings().security).internal_token for _ in range(2)]
     assert len(made[0]) >= 32 and made[0] != made[1]

@@ -7,12 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from services.common.command_config import UpSettings
-from services.common.config import EngineArgs, PrefillSettings, RegistrySettings, ServerSettings
-from services.common.launcher import cpu_slices
-from services.common.registry import WorkerInfo
-from services.common.settings import SettingsError, parse_settings, to_argv
-from services.status import format_tables, status_json
+from pdserve.controlplane.registry import WorkerInfo
+from pdserve.core.errors import SettingsError
+from pdserve.local.launcher import cpu_slices
+from pdserve.settings.commands import UpSettings
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.flags import parse_settings, to_argv
+from pdserve.settings.process import RegistrySettings, ServerSettings
+from pdserve.settings.services import PrefillSettings
+from pdserve.status import format_tables, status_json
 
 
 @pytest.mark.parametrize(
@@ -47,7 +50,7 @@ def test_cpu_slices_are_contiguous_and_even(cpus, n, expected):
     ],
 )
 def test_engine_cpus_by_layout(layout, cpus, roles, expected):
-    from services.up import engine_cpus
+    from pdserve.up import engine_cpus
 
     assert engine_cpus(layout, cpus, roles) == expected
 

@@ -4,11 +4,11 @@ Each ``nn.Linear`` becomes a ``PackedLinear`` that holds its weight in the layou
 fast kernels read, packed once at start:
 
 - float32 on CPUs with AVX2 and FMA but no AVX-512: only the sgemm kernel's panels
-  (``kernels.sgemm_cpu``), for every row count: 1.15-1.7x oneDNN's speed there from 1 to
+  (``pdserve.kernels.sgemm_cpu``), for every row count: 1.15-1.7x oneDNN's speed there from 1 to
   512 rows (``bench/sgemm_cpu.py``), and one copy of the weights rather than two;
 - otherwise oneDNN's blocked layout for this CPU (AMX tiles, AVX-512 or AVX2), for every
   row count;
-- for bfloat16 on CPUs with AMX, also the AMX kernel's tile layout (``kernels.gemm_cpu``),
+- for bfloat16 on CPUs with AMX, also the AMX kernel's tile layout (``pdserve.kernels.gemm_cpu``),
   used up to ``AMX_MAX_ROWS`` rows: at decode sizes a linear is bound by reading its
   weights and oneDNN's small-batch path reads them well below the memory bandwidth; at
   prefill chunk sizes the kernel splits the columns evenly over the threads, where
@@ -26,8 +26,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from kernels import gemm_cpu, sgemm_cpu
-from services.engine.model import ops
+from pdserve.engine.model import ops
+from pdserve.kernels import gemm_cpu, sgemm_cpu
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Up to this many rows a bf16 linear takes the AMX kernel. Measured on SmolLM2's layers

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.model import ModelConfig
-from services.engine.model import ops
+from pdserve.core.model import ModelConfig
+from pdserve.engine.model import ops
 
 
 class RMSNorm(nn.Module):

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from services.common.model import ModelConfig
-from services.engine.model.llama import LlamaForCausalLM, Rotary
+from pdserve.core.model import ModelConfig
+from pdserve.engine.model.llama import LlamaForCausalLM, Rotary
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from functools import cache
 
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.forward_context import get_forward_context
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.forward_context import get_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def cpu_ops_error() -> str | None:
     not. ``PDSERVE_CPU_OPS=python`` keeps the Python ops (for comparisons)."""
     if os.environ.get("PDSERVE_CPU_OPS", "").lower() == "python":
         return "PDSERVE_CPU_OPS=python"
-    from kernels.cpu_build import KernelBuildError, load_torch_ops
+    from pdserve.kernels.cpu_build import KernelBuildError, load_torch_ops
 
     try:
         load_torch_ops("torch_ops", ("cpu_attention", "cpu_gemm", "cpu_sgemm"))

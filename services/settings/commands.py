@@ -1,0 +1,170 @@
+"""The settings of pdserve's commands that are not services (up, generate, chat, status,
+prepare-model), and ``ALL_SETTINGS``: every class whose ``PDSERVE_*`` variables exist."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.flags import check, env_names, setting
+from pdserve.settings.process import (
+    InternalSecuritySettings,
+    LogSettings,
+    RedisSettings,
+    TracingSettings,
+)
+from pdserve.settings.services import (
+    DecodeSettings,
+    GatewaySettings,
+    KVStoreSettings,
+    PrefillSettings,
+    WatchdogSettings,
+)
+from pdserve.settings.sizes import size_setting
+from pdserve.settings.variables import VARIABLES
+
+
+@dataclass(frozen=True)
+class UpSettings:
+    """What `pdserve up` starts, and how."""
+
+    GROUP: ClassVar[str] = "cluster"
+
+    num_prefill: int | None = setting(
+        None, "prefill workers (default: 1, or 0 with --disaggregation off)", flag="--prefill"
+    )
+    num_decode: int = setting(1, "decode workers", flag="--decode")
+    disaggregation: bool = setting(
+        True,
+        "on: prefill workers prefill and hand the KV cache to decode workers through the "
+        "kvstore; off: decode workers do both (no prefill workers, no kvstore)",
+    )
+    port: int = setting(50051, "the gateway's gRPC port; 0: any free port")
+    http_port: int = setting(8000, "the OpenAI REST port; 0: any free one, -1: off")
+    redis: RedisSettings = setting(default_factory=RedisSettings)
+    redis_port: int = setting(0, "port of the Redis started here (without --redis-url); 0: any")
+    kvstore_capacity: str = setting("2GiB", "memory of the kvstore for KV blocks")
+    local_prefill_threshold: int = setting(
+        0, "prompts with fewer uncached tokens than this are prefilled on the decode worker"
+    )
+    cpu_layout: str = setting(
+        "decode-first",
+        "how the workers share this machine's cores: decode-first (decode workers all "
+        "cores, each prefill worker one of them), split (each worker its own cores) or "
+        "shared (every worker all cores); workers that share cores keep their idle OpenMP "
+        "threads from spinning",
+        choices=("split", "shared", "decode-first"),
+    )
+    log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")
+    startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
+    engine: EngineArgs = setting(default_factory=EngineArgs)
+    watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)  # every child's
+    # The token defaults to a random one per cluster here (pdserve.up).
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        check(self.num_decode >= 1, f"--decode must be 1 or more, got {self.num_decode}")
+        check(self.prefill_workers >= 0, f"--prefill must be 0 or more, got {self.num_prefill}")
+        check(
+            self.prefill_workers >= 1 or not self.disaggregation,
+            "--disaggregation on needs a prefill worker: pass --prefill 1 or more, or "
+            "--disaggregation off",
+        )
+        for flag, port in (("--port", self.port), ("--redis-port", self.redis_port)):
+            check(0 <= port <= 65535, f"{flag} must be between 0 and 65535, got {port}")
+        check(-1 <= self.http_port <= 65535, f"--http-port must be -1 to 65535: {self.http_port}")
+        check(self.startup_timeout > 0, "--startup-timeout must be a positive number of seconds")
+        size_setting("--kvstore-capacity", self.kvstore_capacity)
+
+    @property
+    def prefill_workers(self) -> int:
+        """How many prefill workers to start."""
+        if self.num_prefill is not None:
+            return self.num_prefill
+        return 1 if self.disaggregation else 0
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """Sampling of the one-shot commands (generate, chat)."""
+
+    GROUP: ClassVar[str] = "sampling"
+
+    max_tokens: int = setting(256, "most tokens to generate")
+    temperature: float = setting(0.0, "0 is greedy")
+    top_p: float = setting(1.0, "nucleus sampling: the smallest set of tokens covering top_p")
+    top_k: int = setting(-1, "sample among the k most likely tokens; -1: all")
+    sampling_seed: int | None = setting(None, "seed of the request's sampling")
+
+
+def quiet_log() -> LogSettings:
+    """Commands that print their own output log warnings only, unless told otherwise."""
+    return LogSettings(log_level="WARNING")
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """`pdserve generate`: prompts from the command line, completions to stdout."""
+
+    GROUP: ClassVar[str] = "generate"
+
+    chat: bool = setting(False, "wrap each prompt as a user message in the chat template")
+    sampling: SamplingFlags = setting(default_factory=SamplingFlags)
+    engine: EngineArgs = setting(default_factory=EngineArgs)
+    log: LogSettings = setting(default_factory=quiet_log)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """`pdserve chat`: a conversation in the terminal."""
+
+    GROUP: ClassVar[str] = "chat"
+
+    system: str | None = setting(None, "system prompt")
+    sampling: SamplingFlags = setting(default_factory=SamplingFlags)
+    engine: EngineArgs = setting(default_factory=EngineArgs)
+    log: LogSettings = setting(default_factory=quiet_log)
+
+
+@dataclass(frozen=True)
+class StatusSettings:
+    """`pdserve status`: the registry of a cluster, read once."""
+
+    GROUP: ClassVar[str] = "status"
+
+    json_output: bool = setting(False, "print JSON instead of tables", flag="--json")
+    redis: RedisSettings = setting(default_factory=RedisSettings)
+    log: LogSettings = setting(default_factory=quiet_log)
+
+
+@dataclass(frozen=True)
+class PrepareModelSettings:
+    """`pdserve prepare-model`: the bundled GGUF to a safetensors checkpoint, once."""
+
+    GROUP: ClassVar[str] = "prepare-model"
+
+    home: str | None = setting(None, "pdserve's cache directory (default: ~/.cache/pdserve)")
+    force: bool = setting(False, "convert again even if already prepared")
+    quiet: bool = setting(False, "no progress display")
+    log: LogSettings = setting(default_factory=quiet_log)
+
+
+ALL_SETTINGS = (
+    GatewaySettings,
+    PrefillSettings,
+    DecodeSettings,
+    KVStoreSettings,
+    UpSettings,
+    GenerateSettings,
+    ChatSettings,
+    StatusSettings,
+    PrepareModelSettings,
+)
+
+
+def known_env() -> set[str]:
+    """Every ``PDSERVE_*`` variable some pdserve command reads: the flags' and ``VARIABLES``."""
+    return env_names(ALL_SETTINGS) | set(VARIABLES)

@@ -1,0 +1,362 @@
+"""The settings of every pdserve service, one frozen dataclass each (see ``flags``).
+
+They live together, free of torch, because they cross process boundaries: ``pdserve up``
+turns them into its children's flags, a gateway reads the same ``PDSERVE_*`` variables
+as the workers beside it, and one list of them (``commands.ALL_SETTINGS``) tells a
+misspelled variable from a setting of another command. Every service's settings start
+with its ``server`` group and end with ``log``, so every ``--help`` reads the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pdserve.core.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from pdserve.settings.engine import EngineArgs
+from pdserve.settings.flags import check, setting
+from pdserve.settings.process import (
+    InternalSecuritySettings,
+    LogSettings,
+    MetricsSettings,
+    RedisSettings,
+    RegistrySettings,
+    ServerSettings,
+    TracingSettings,
+    check_address,
+    server,
+)
+from pdserve.settings.sizes import parse_size, size_setting
+
+MAX_N = 128  # the most choices --max-n may allow
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    """When a worker counts its engine as dead, and leaves to be restarted."""
+
+    GROUP: ClassVar[str] = "watchdog"
+
+    engine_stall_timeout: float = setting(
+        60.0,
+        "seconds one engine step (or other call on the engine thread) may run before the "
+        "engine counts as stalled: the worker then fails its requests with UNAVAILABLE, "
+        "turns NOT_SERVING, deregisters and exits 3, for its supervisor to restart it (as "
+        "when the engine thread dies); generous, since a first step may compile",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            self.engine_stall_timeout > 0,
+            f"--engine-stall-timeout must be a positive number of seconds, got "
+            f"{self.engine_stall_timeout}",
+        )
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """A prefill worker."""
+
+    GROUP: ClassVar[str] = "prefill"
+
+    server: ServerSettings = server(50071)
+    kvstore: str | None = setting(
+        None,
+        "the kvstore to push blocks to (HOST:PORT); default: the kvstore replicas registered "
+        "in --redis-url, each block to its owner by rendezvous hashing",
+    )
+    kv_push_timeout: float = setting(
+        10.0,
+        "seconds a push of a prompt's blocks to a kvstore may take; a push that fails or "
+        "takes longer is given up (the decode worker recomputes those blocks)",
+    )
+    registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    engine: EngineArgs = setting(default_factory=EngineArgs)
+    watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
+    metrics: MetricsSettings = setting(default_factory=MetricsSettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        check(
+            self.kv_push_timeout > 0,
+            f"--kv-push-timeout must be positive seconds, got {self.kv_push_timeout}",
+        )
+        check(
+            bool(self.kvstore or self.registry.redis.redis_url),
+            "a prefill worker needs a kvstore: pass --kvstore HOST:PORT, or --redis-url to use "
+            "the kvstore replicas registered there",
+        )
+        if self.kvstore:
+            check_address(self.kvstore, "--kvstore")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """A decode worker (it also prefills prompts sent without a first token)."""
+
+    GROUP: ClassVar[str] = "decode"
+
+    server: ServerSettings = server(50081)
+    kvstore: tuple[str, ...] = setting(
+        (),
+        "a kvstore this worker may fetch blocks from (repeatable; the variable is "
+        "comma-separated), beside the replicas registered in --redis-url; a request that "
+        "names any other kvstore is refused",
+        metavar="HOST:PORT",
+    )
+    kv_fetch_timeout: float = setting(
+        10.0,
+        "seconds a fetch of a request's blocks from a kvstore may take; a fetch that fails or "
+        "takes longer costs only recomputing those blocks",
+    )
+    registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    engine: EngineArgs = setting(default_factory=EngineArgs)
+    watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
+    metrics: MetricsSettings = setting(default_factory=MetricsSettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        check(
+            self.kv_fetch_timeout > 0,
+            f"--kv-fetch-timeout must be positive seconds, got {self.kv_fetch_timeout}",
+        )
+        for address in self.kvstore:
+            check_address(address, "--kvstore")
+
+
+@dataclass(frozen=True)
+class KVStoreSettings:
+    """A kvstore replica."""
+
+    GROUP: ClassVar[str] = "kvstore"
+
+    server: ServerSettings = server(50061, drain_timeout=5.0)
+    capacity_bytes: str = setting(
+        "2GiB", "memory for blocks, e.g. 512MiB or 2GiB; least recently used out first"
+    )
+    block_layout: str | None = setting(
+        None,
+        "the only block layout this kvstore stores, written as its log prints the layout of "
+        "a first put (version=1,model_fingerprint=HEX,dtype=...); default: the first put's",
+    )
+    block_lease: float = setting(
+        60.0,
+        "seconds a put block waits for its first get before it expires (the decode worker it "
+        "was pushed for never asked); a fetched block stays until LRU evicts it; 0: no lease",
+    )
+    registry: RegistrySettings = setting(default_factory=RegistrySettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
+    metrics: MetricsSettings = setting(default_factory=MetricsSettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        size = size_setting("--capacity-bytes", self.capacity_bytes)
+        check(size >= 1, f"--capacity-bytes must be positive, got {self.capacity_bytes}")
+        check(
+            self.block_lease >= 0,
+            f"--block-lease must be 0 (no lease) or positive seconds, got {self.block_lease}",
+        )
+
+    @property
+    def capacity(self) -> int:
+        """``--capacity-bytes`` in bytes."""
+        return parse_size(self.capacity_bytes)
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    """How a gateway picks workers."""
+
+    GROUP: ClassVar[str] = "routing"
+
+    routing: str = setting(
+        "prefix",
+        "prefix: the worker with the lowest prefix_weight*uncached_blocks + "
+        "load_weight*load_blocks; round-robin: in turn",
+        choices=("prefix", "round-robin"),
+    )
+    route_prefix_weight: float = setting(1.0, "cost of a prompt block the worker lacks")
+    route_load_weight: float = setting(0.5, "cost of a KV block in use on the worker")
+    local_prefill_threshold: int = setting(
+        0,
+        "conditional disaggregation: a prompt whose uncached part on the chosen decode worker "
+        "is shorter than this many tokens is prefilled there; 0: always use the prefill pool",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            self.route_prefix_weight >= 0 and self.route_load_weight >= 0,
+            "--route-prefix-weight and --route-load-weight must be 0 or more",
+        )
+        check(
+            self.local_prefill_threshold >= 0,
+            f"--local-prefill-threshold must be 0 or more, got {self.local_prefill_threshold}",
+        )
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Where the gateway listens, which workers it sends to, and its limits."""
+
+    GROUP: ClassVar[str] = "gateway"
+
+    server: ServerSettings = server(50051, drain_timeout=10.0)
+    http_port: int = setting(
+        8000, "port of the OpenAI REST API on the same host; 0: any free port, -1: off"
+    )
+    served_model_name: str | None = setting(
+        None, "the model name the REST API serves and expects (default: the model dir's name)"
+    )
+    prefill_addrs: tuple[str, ...] = setting(
+        (),
+        "a prefill worker (repeatable; the variable is comma-separated)",
+        flag="--prefill",
+        metavar="HOST:PORT",
+    )
+    decode_addrs: tuple[str, ...] = setting(
+        (),
+        "a decode worker (repeatable; the variable is comma-separated)",
+        flag="--decode",
+        metavar="HOST:PORT",
+    )
+    disaggregation: bool = setting(
+        True, "on: prefill on prefill workers, KV through the kvstore; off: decode workers do both"
+    )
+    model: str | None = setting(None, "checkpoint dir (default: the prepared SmolLM2)")
+    max_model_len: int | None = setting(
+        None, "longest prompt + output in tokens (default: the model's limit)"
+    )
+    max_tokens_default: int = setting(
+        DEFAULT_MAX_TOKENS, "max_tokens of a request that leaves it unset"
+    )
+    prefill_timeout: float = setting(60.0, "seconds a Prefill call may take")
+    decode_timeout: float = setting(600.0, "seconds a Decode stream may take")
+    migration_limit: int = setting(
+        3,
+        "times a request's decode stream may move to another decode worker when its own "
+        "breaks (dies, fails, or sends nothing for --stream-idle-timeout); 0: never",
+    )
+    stream_idle_timeout: float = setting(
+        30.0, "seconds a decode stream may send nothing before it counts as broken"
+    )
+    migration_wait: float = setting(
+        60.0,
+        "seconds a broken stream waits for a decode worker to move to when no other is "
+        "left (e.g. while a supervisor restarts the only one)",
+    )
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' on the REST /v1 routes and the gRPC front (default: open)",
+        secret=True,
+    )
+    max_body_bytes: int = setting(
+        4 << 20,
+        "largest request: a REST body (413 past it) or a gRPC message (RESOURCE_EXHAUSTED)",
+    )
+    max_concurrent_requests: int = setting(
+        256, "requests (REST and gRPC together) generating at once; more wait in the queue"
+    )
+    max_queued_requests: int = setting(
+        512,
+        "requests waiting for a slot; past that, 429 with Retry-After (gRPC: "
+        "RESOURCE_EXHAUSTED with retry-after metadata)",
+    )
+    queue_timeout: float = setting(30.0, "seconds a queued request waits before it is refused")
+    send_timeout: float = setting(
+        30.0,
+        "seconds a streaming client may go without reading before its stream is cancelled "
+        "and its slot freed",
+    )
+    max_n: int = setting(16, "most choices (n) one REST request may ask for")
+    max_stop: int = setting(16, "most stop strings, and most stop token ids, of one request")
+    max_stop_chars: int = setting(1024, "longest stop string, in characters")
+    max_logprobs: int = setting(
+        MAX_LOGPROBS, f"most top logprobs per token a request may ask for (0 to {MAX_LOGPROBS})"
+    )
+    routing: RoutingSettings = setting(default_factory=RoutingSettings)
+    redis: RedisSettings = setting(default_factory=RedisSettings)
+    tracing: TracingSettings = setting(default_factory=TracingSettings)
+    security: InternalSecuritySettings = setting(default_factory=InternalSecuritySettings)
+    log: LogSettings = setting(default_factory=LogSettings)
+
+    def __post_init__(self) -> None:
+        if self.redis.redis_url:
+            check(
+                not self.decode_addrs and not self.prefill_addrs,
+                "pass either --redis-url (the pools come from the registry) or --prefill/"
+                "--decode addresses, not both",
+            )
+        else:
+            check(
+                bool(self.decode_addrs),
+                "no decode worker: pass --decode HOST:PORT (repeat it for several workers), "
+                "or --redis-url to find the workers registered there",
+            )
+            check(
+                not self.disaggregation or bool(self.prefill_addrs),
+                "--disaggregation on needs a prefill worker: pass --prefill HOST:PORT, or use "
+                "--disaggregation off to let decode workers prefill prompts themselves",
+            )
+        for address in (*self.prefill_addrs, *self.decode_addrs):
+            check_address(address, "a worker address")
+        check(
+            -1 <= self.http_port <= 65535,
+            f"--http-port must be in [0, 65535], or -1 to turn the REST API off; got "
+            f"{self.http_port}",
+        )
+        check(
+            self.served_model_name is None or bool(self.served_model_name.strip()),
+            "--served-model-name must not be empty",
+        )
+        check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"--max-model-len must be at least 2, got {self.max_model_len}",
+        )
+        check(
+            self.max_tokens_default >= 1,
+            f"--max-tokens-default must be at least 1, got {self.max_tokens_default}",
+        )
+        check(
+            self.api_key is None or bool(self.api_key.strip()),
+            "--api-key must not be empty (leave it unset for an open REST API)",
+        )
+        check(
+            self.max_body_bytes >= 1024,
+            f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}",
+        )
+        check(
+            self.max_concurrent_requests >= 1,
+            f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}",
+        )
+        check(
+            self.migration_limit >= 0,
+            f"--migration-limit must be 0 or more, got {self.migration_limit}",
+        )
+        check(1 <= self.max_n <= MAX_N, f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
+        for flag, value in (
+            ("--max-stop", self.max_stop),
+            ("--max-stop-chars", self.max_stop_chars),
+        ):
+            check(value >= 1, f"{flag} must be at least 1, got {value}")
+        check(
+            0 <= self.max_logprobs <= MAX_LOGPROBS,
+            f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}",
+        )
+        check(
+            self.max_queued_requests >= 0,
+            f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}",
+        )
+        for flag, value in (
+            ("--queue-timeout", self.queue_timeout),
+            ("--send-timeout", self.send_timeout),
+            ("--prefill-timeout", self.prefill_timeout),
+            ("--decode-timeout", self.decode_timeout),
+            ("--stream-idle-timeout", self.stream_idle_timeout),
+            ("--migration-wait", self.migration_wait),
+        ):
+            check(value > 0, f"{flag} must be a positive number of seconds, got {value}")
