@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results_md import replace_section  # noqa: E402
-from tests.chaos import (  # noqa: E402
+from pdserve.testing.chaos import (  # noqa: E402
     ENGINE,
     FAULTS,
     ChaosCluster,
@@ -286,7 +286,7 @@ def main() -> int:
         if args.model:
             model = Path(args.model).expanduser()
         else:
-            from tests.tiny_models import build_tiny_checkpoint
+            from pdserve.testing.tiny_models import build_tiny_checkpoint
 
             model = build_tiny_checkpoint("llama", Path(tmp) / "tiny-llama")
 

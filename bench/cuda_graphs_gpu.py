@@ -63,7 +63,7 @@ def random_smollm2(path: Path) -> Path:
     """A bf16 checkpoint of SmolLM2-135M's architecture with random weights, at ``path``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tests.tiny_models import build_tiny_tokenizer
+    from pdserve.testing.tiny_models import build_tiny_tokenizer
 
     if not (path / "config.json").is_file():
         torch.manual_seed(0)

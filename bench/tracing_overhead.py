@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.results_md import replace_section  # noqa: E402
 from pdserve.core.model import default_model_dir  # noqa: E402
 from pdserve.local.launcher import Launcher, free_port  # noqa: E402
-from tests.otlp_collector import OtlpCollector  # noqa: E402
+from pdserve.testing.otlp_collector import OtlpCollector  # noqa: E402
 
 SECTION = "tracing-overhead"
 OUT = ROOT / "bench/out/tracing"

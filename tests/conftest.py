@@ -39,14 +39,14 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory) -> Path:
-    from tests.tiny_models import build_tiny_checkpoint
+    from pdserve.testing.tiny_models import build_tiny_checkpoint
 
     return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory) -> Path:
-    from tests.tiny_models import build_tiny_checkpoint
+    from pdserve.testing.tiny_models import build_tiny_checkpoint
 
     return build_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MODEL = "tiny"

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pdserve.loadgen.cli import main as bench_main
-from tests.cluster import Cluster
+from pdserve.testing.cluster import Cluster
 
 MODEL_NAME = "tiny"
 

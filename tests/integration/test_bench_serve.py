@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from pdserve.loadgen.cli import main as bench_main
-from tests.cluster import Cluster
+from pdserve.testing.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MODEL_NAME = "tiny"

@@ -17,9 +17,9 @@ from pdserve.kv.blocks import block_checksum
 from pdserve.kv.convert import layout_to_proto
 from pdserve.local.launcher import free_port
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster, decode_idle
+from pdserve.testing.reference import hf_greedy_tokens
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster import Cluster, decode_idle
-from tests.reference import hf_greedy_tokens
 
 pytestmark = pytest.mark.timeout(300)
 

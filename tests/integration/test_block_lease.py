@@ -12,10 +12,10 @@ import pytest
 
 from pdserve.kv.client import KVStoreClient
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster, decode_idle
+from pdserve.testing.reference import hf_greedy
 from pdserve.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2, prefill_pb2_grpc
-from tests.cluster import Cluster, decode_idle
 from tests.integration.test_block_integrity import decode_call
-from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.timeout(300)
 

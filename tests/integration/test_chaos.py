@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from tests.chaos import (
+from pdserve.testing.chaos import (
     FAULTS,
     ChaosCluster,
     Load,

@@ -23,8 +23,8 @@ from pdserve.kv.hashing import prompt_block_hashes
 from pdserve.local.launcher import free_port
 from pdserve.local.redis_server import start_redis
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from tests.cluster import Cluster
 
 TTL_S = 2.0
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256", "--registry-ttl", str(TTL_S)]

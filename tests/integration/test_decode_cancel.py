@@ -11,10 +11,13 @@ import asyncio
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.cluster import ROOT, Cluster, decode_idle, decode_stat
+from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,8 +13,8 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.draft_model import write_layer_draft
-from tests.reference import generate_like_references, hf_greedy, random_prompts
-from tests.tiny_models import build_tiny_checkpoint
+from pdserve.testing.reference import generate_like_references, hf_greedy, random_prompts
+from pdserve.testing.tiny_models import build_tiny_checkpoint
 
 MAX_NEW = 40
 LENGTHS = [1, 4, 16, 17, 60, 130]
@@ -138,7 +138,7 @@ def test_write_layer_draft_keeps_the_first_layers(tiny_llama_path, tmp_path):
 def test_workers_take_the_flag_and_only_decode_loads_the_draft(tiny_llama_path, tmp_path):
     """`pdserve up` gives every worker the engine flags: a prefill worker never speculates,
     so it loads no draft (here: one that does not exist), and a decode worker refuses it."""
-    from tests.cluster import Cluster
+    from pdserve.testing.cluster import Cluster
 
     config = _config(tmp_path / "no-such-draft")
     c = Cluster(tmp_path / "logs")

@@ -121,7 +121,7 @@ async def test_an_abort_while_fetching_frees_the_held_prefix(llms):
 @pytest.mark.parametrize("k", [1, 5, 19])
 def test_a_resumed_request_continues_exactly(tiny_llama_path, llms, k):
     """Greedy: the tokens after the first k are transformers' (float32)."""
-    from tests.reference import compare, hf_greedy
+    from pdserve.testing.reference import compare, hf_greedy
 
     (ref,) = hf_greedy(tiny_llama_path, [PROMPT], 24)
     _, decode = llms

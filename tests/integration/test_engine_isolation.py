@@ -11,7 +11,7 @@ import pytest
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.sequence import Sequence
-from tests.reference import compare, hf_greedy
+from pdserve.testing.reference import compare, hf_greedy
 
 MAX_NEW = 12
 PROMPTS = [[(11 * i + 5 * k) % 480 + 7 for k in range(9 + 7 * i)] for i in range(6)]

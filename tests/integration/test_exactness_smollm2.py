@@ -10,43 +10,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from tests.reference import compare, hf_greedy
+from pdserve.testing.reference import CHATS, compare, hf_greedy
 
 MAX_NEW = 64
-
-_LONG_DOC = " ".join(
-    f"Record {i}: the warehouse in district {i % 7} shipped {i * 37 % 101} crates of "
-    f"{['apples', 'copper wire', 'notebooks', 'olive oil', 'bicycle parts'][i % 5]} on day {i}."
-    for i in range(60)
-)
-
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Hi"}],
-    [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
-    [
-        {"role": "system", "content": "You are a terse assistant who answers in one sentence."},
-        {"role": "user", "content": "Why is the sky blue?"},
-    ],
-    [
-        {"role": "user", "content": "Give me three tips for learning to play the guitar."},
-        {
-            "role": "assistant",
-            "content": "1. Practice daily. 2. Learn chords. 3. Play songs you love.",
-        },
-        {"role": "user", "content": "Expand on the second tip."},
-    ],
-    [{"role": "user", "content": "Traduis en français : « The weather is lovely today. »"}],
-    [{"role": "user", "content": "List the planets of the solar system in order from the sun."}],
-    [
-        {
-            "role": "user",
-            "content": "Summarize the following shipping log in two sentences.\n\n" + _LONG_DOC,
-        }
-    ],
-    [{"role": "user", "content": "Compute 17 * 23 and explain the steps."}],
-    [{"role": "user", "content": "Tell me a short story about a robot who learns to paint. " * 8}],
-]
 
 
 @pytest.fixture(scope="module")

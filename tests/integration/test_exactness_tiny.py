@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.engine import LLM
 from pdserve.engine.model import ops
-from tests.reference import generate_like_references, hf_greedy, random_prompts
+from pdserve.testing.reference import generate_like_references, hf_greedy, random_prompts
 
 MAX_NEW = 64
 LENGTHS = [1, 2, 5, 15, 16, 17, 33, 64, 100, 150, 200, 255]

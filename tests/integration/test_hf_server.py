@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from tests.cluster import Cluster
+from pdserve.testing.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from pdserve.kvstore.server import SERVICE_NAME, KVStoreServicer
 from pdserve.kvstore.store import BlockStore
 from pdserve.runtime.rpc import aio_channel, start_server
 from pdserve.runtime.trust import Trust
+from pdserve.testing.cluster import Cluster
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -30,8 +32,9 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.cluster import ROOT, Cluster
 from tests.tls_certs import make_cluster_certs
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TOKEN = "an-internal-token-for-tests-0123456789"
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "128"]

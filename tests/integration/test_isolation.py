@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.cluster import Cluster
+from pdserve.testing.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "32"]
 MODEL = "tiny"

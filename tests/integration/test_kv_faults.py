@@ -20,6 +20,8 @@ from pdserve.kv.client import KVStoreClient
 from pdserve.kv.convert import layout_to_proto
 from pdserve.local.launcher import free_port
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
+from pdserve.testing.reference import hf_greedy, hf_greedy_tokens
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -28,14 +30,12 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.cluster import Cluster, decode_idle, decode_stat
 from tests.integration.test_block_integrity import (
     decode_call,
     exported_blocks,
     fake_kvstore,
 )
 from tests.integration.test_metrics import scrape, value
-from tests.reference import hf_greedy, hf_greedy_tokens
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from tests.reference import compare, hf_greedy
+from pdserve.testing.reference import compare, hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.local.redis_server import start_redis
-from tests.cluster import ROOT, Cluster
+from pdserve.testing.cluster import Cluster
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 PREFIX = "metrics-test"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from tests.cluster import Cluster, decode_idle, decode_stat
+from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "16"]
 MODEL = "tiny"

@@ -12,8 +12,8 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
-from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MAX_MODEL_LEN = 256

@@ -13,7 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.cluster import Cluster
+from pdserve.testing.cluster import Cluster
 from tests.integration.test_openai_api import ENGINE, MODEL_NAME
 
 MAX_MODEL_LEN = 48  # bounds every generation, whatever max_tokens the fuzzer picks

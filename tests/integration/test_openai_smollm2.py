@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine import LLM, SamplingParams
-from tests.cluster import Cluster
+from pdserve.testing.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'

@@ -14,8 +14,8 @@ import grpc
 import httpx
 import pytest
 
+from pdserve.testing.cluster import Cluster
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "8192", "--max-num-seqs", "128"]
 MODEL = "tiny"

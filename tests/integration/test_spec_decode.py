@@ -21,8 +21,8 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.sampler import filtered_probs
 from pdserve.kv.hashing import hash_block
-from tests.reference import generate_like_references, hf_greedy, random_prompts
-from tests.tiny_models import TINY_VOCAB
+from pdserve.testing.reference import generate_like_references, hf_greedy, random_prompts
+from pdserve.testing.tiny_models import TINY_VOCAB
 
 MAX_NEW = 48
 LENGTHS = [1, 3, 15, 16, 17, 40, 100, 160]

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
 from pdserve.local.launcher import Launcher
-from tests.cluster import ROOT
+
+ROOT = Path(__file__).resolve().parents[2]
 
 HEAVY = ("torch", "transformers", "triton")
 

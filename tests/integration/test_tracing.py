@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster
+from pdserve.testing.otlp_collector import OtlpCollector
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.cluster import Cluster
-from tests.otlp_collector import OtlpCollector
 
 # SmolLM2 in fp32: a prompt of a few hundred tokens takes long enough to prefill that the
 # client's and the gateway's TTFT differ by network and parsing only, a few percent.

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.local.redis_server import start_redis
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
 # Far longer than the test: an entry that disappears was deregistered, not expired.

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.runtime.rpc import aio_channel
+from pdserve.testing.cluster import Cluster
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -20,7 +21,6 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.cluster import Cluster
 
 ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MAX_NEW = 16

@@ -42,7 +42,10 @@ RULES: dict[str, set[str]] = {
     "pdserve.gateway": _SERVICE,
     "pdserve.loadgen": {"pdserve.core", "pdserve.settings"},
 }
+# The harness of tests and benchmarks may use any layer; no layer may use it.
+RULES["pdserve.testing"] = set(RULES)
 TORCH_FREE = set(RULES) - {
+    "pdserve.testing",
     "pdserve.kernels",
     "pdserve.engine",
     "pdserve.worker",

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from pdserve.runtime import tracing
-from tests.cluster import ROOT
+
+ROOT = Path(__file__).resolve().parents[2]
 
 OFF = """
 import sys

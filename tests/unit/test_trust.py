@@ -4,6 +4,7 @@ secrets to children by environment (never argv), the kvstore's ``--block-layout`
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,8 @@ from pdserve.settings.commands import UpSettings
 from pdserve.settings.flags import parse_settings, secret_env, to_argv
 from pdserve.settings.process import InternalSecuritySettings, RedisSettings, RegistrySettings
 from pdserve.settings.services import DecodeSettings
-from tests.cluster import ROOT
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TOKEN = "a-token-long-enough-for-the-check"
 

@@ -14,8 +14,6 @@ from pdserve.local.launcher import Child, Launcher
 from pdserve.runtime.rpc import aio_channel
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 class Cluster:
     """Processes started by a test, stopped at the end."""
@@ -31,7 +29,7 @@ class Cluster:
             # (test_exactness_*), and test_up runs it through a real cluster.
             "PDSERVE_ENFORCE_EAGER": os.environ.get("PDSERVE_ENFORCE_EAGER", "1"),
         }
-        self.launcher = Launcher(log_dir, env=env, cwd=ROOT)
+        self.launcher = Launcher(log_dir, env=env)
 
     @property
     def services(self) -> list[Child]:

@@ -25,8 +25,8 @@ from pdserve.controlplane.view import RegistryView
 from pdserve.kv.client import KVStoreClient
 from pdserve.local.launcher import Child, free_port
 from pdserve.local.redis_server import RedisServer, start_redis
-from tests.cluster import Cluster, decode_idle, decode_stat
-from tests.integration.test_migration import metric
+from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
+from pdserve.testing.metrics import metric
 
 # One torch thread each: four engine processes share the machine's cores (more threads
 # than cores make oneDNN spin, and steps tens of times slower).
