@@ -27,10 +27,7 @@ sys.path.insert(0, str(ROOT))
 from bench.results_md import replace_section  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.prepare_model import resolve_model  # noqa: E402
-from pdserve.testing.reference import (
-    CHATS,  # noqa: E402
-    hf_greedy,  # noqa: E402
-)
+from pdserve.testing.reference import CHATS, hf_greedy  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

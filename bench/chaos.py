@@ -61,7 +61,7 @@ from pdserve.testing.chaos import (  # noqa: E402
     reference_tokens,
     routes,
 )
-from tests.integration.test_migration import metric  # noqa: E402
+from pdserve.testing.metrics import metric  # noqa: E402
 
 NUM_JOBS = 64  # distinct jobs, cycled
 LENGTHS = (64, 128, 192)
