@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.results_md import replace_section  # noqa: E402
+from bench.results_md import machine, replace_section  # noqa: E402
 from pdserve.local.launcher import Child, Launcher, StartFailed, free_port  # noqa: E402
 
 PDSERVE = str(ROOT / ".venv/bin/pdserve")
@@ -258,15 +257,6 @@ def median_runs(sweeps: list[dict]) -> dict[str, dict[str, float]]:
             for col, key, stat in COLUMNS
         }
     return table
-
-
-def machine() -> str:
-    """lscpu's model name and core count."""
-    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(
-        (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in info.splitlines())
-    )
-    return f"{fields.get('Model name', '?')}, {os.cpu_count()} cores"
 
 
 def markdown(summary: dict) -> str:

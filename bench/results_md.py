@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 
@@ -17,3 +19,12 @@ def replace_section(path: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def machine() -> str:
+    """lscpu's model name and core count: a section's "Machine:" line."""
+    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in info.splitlines())
+    )
+    return f"{fields.get('Model name', '?')}, {os.cpu_count()} cores"
