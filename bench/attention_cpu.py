@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.top_p import median_ms  # noqa: E402
-from pdserve.kernels import attention_cpu, attention_ref  # noqa: E402
+from bench.engine.top_p import median_ms
+from pdserve.kernels import attention_cpu, attention_ref
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

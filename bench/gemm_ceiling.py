@@ -24,18 +24,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.compare import machine  # noqa: E402
-from bench.engine_throughput import (  # noqa: E402
+from bench import ROOT
+from bench.engine.throughput import (
     build_engine,
     make_prompts,
     side_by_side,
 )
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.engine.prepare_model import resolve_model  # noqa: E402
-from pdserve.kernels import sgemm_cpu  # noqa: E402
+from bench.results_md import machine, replace_section
+from pdserve.engine.prepare_model import resolve_model
+from pdserve.kernels import sgemm_cpu
 
 
 @dataclass(frozen=True)

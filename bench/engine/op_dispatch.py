@@ -4,7 +4,7 @@ op defined with ``torch.library.Library`` (what ``services/engine/model/ops.py``
 Both ops take the arguments of ``pdserve::cpu_linear`` and return a preallocated tensor,
 so what is timed is the dispatch alone; a compiled decode step makes about 150 such calls.
 
-    .venv/bin/python bench/op_dispatch.py
+    .venv/bin/python -m bench.engine.op_dispatch
 """
 
 from __future__ import annotations

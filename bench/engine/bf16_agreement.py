@@ -1,6 +1,6 @@
 """pdserve's bfloat16 greedy output against transformers' bfloat16, on the exactness prompts.
 
-    .venv/bin/python bench/bf16_agreement.py [--max-new 64] [--write-results]
+    .venv/bin/python -m bench.engine.bf16_agreement [--max-new 64] [--write-results]
 
 fp32 is the exactness contract (token for token, near-ties only); bf16 is where the speed
 is on CPUs with AMX, and two bf16 implementations round differently (fused projections,
@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.prepare_model import resolve_model  # noqa: E402
-from pdserve.testing.reference import CHATS, hf_greedy  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.prepare_model import resolve_model
+from pdserve.testing.reference import CHATS, hf_greedy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"{agreed} of {len(CHATS)} chats agree on all {args.max_new} tokens.",
             "",
-            "Command: `.venv/bin/python bench/bf16_agreement.py --write-results`",
+            "Command: `.venv/bin/python -m bench.engine.bf16_agreement --write-results`",
         ]
     )
     print(text)

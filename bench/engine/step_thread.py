@@ -1,6 +1,6 @@
 """The engine's decode step on the thread that built the engine against another thread.
 
-    .venv/bin/python bench/step_thread.py [--dtype bfloat16] [--batches 1,16]
+    .venv/bin/python -m bench.engine.step_thread [--dtype bfloat16] [--batches 1,16]
 
 libgomp keeps a pool of OpenMP worker threads for every thread that has opened a parallel
 region, and once a process holds more OpenMP threads than cores it stops spinning between
@@ -24,11 +24,9 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.step_time import decode_step_ms  # noqa: E402
+from bench import ROOT
+from bench.engine.step_time import decode_step_ms
 
 VARIANTS = ("built here", "stepped on another thread", "AsyncEngine")
 
@@ -72,7 +70,8 @@ def main() -> None:
         return
     rows = {}
     for variant in VARIANTS:
-        argv = [sys.executable, __file__, "--child", variant, "--dtype", args.dtype]
+        argv = [sys.executable, "-m", "bench.engine.step_thread", "--child", variant]
+        argv += ["--dtype", args.dtype]
         out = subprocess.run(
             [*argv, "--batches", args.batches], cwd=ROOT, capture_output=True, text=True
         )

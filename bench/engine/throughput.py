@@ -6,7 +6,7 @@ Same 64 prompts (random token ids, 128 tokens +/- 25%), 128 output tokens each
 batches of --concurrency (left-padded). Repeats alternate the two and report
 medians. Writes a JSON and, with --write-results, a section of bench/RESULTS.md.
 
-    .venv/bin/python bench/engine_throughput.py --repeats 3 --write-results
+    .venv/bin/python -m bench.engine.throughput --repeats 3 --write-results
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.compare import machine  # noqa: E402
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.prepare_model import resolve_model  # noqa: E402
+from bench import ROOT
+from bench.results_md import machine, replace_section
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.prepare_model import resolve_model
 
 
 def make_prompts(n: int, mean_len: int, ratio: float, vocab: int, seed: int) -> list[list[int]]:
@@ -178,7 +175,7 @@ def main() -> int:
 
 def _markdown(r: dict, profile: str, args) -> str:
     cmd = (
-        f".venv/bin/python bench/engine_throughput.py --repeats {args.repeats} "
+        f".venv/bin/python -m bench.engine.throughput --repeats {args.repeats} "
         f"--concurrency {args.concurrency} --dtype {args.dtype} --write-results"
     )
     rows = "\n".join(

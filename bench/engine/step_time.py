@@ -1,7 +1,7 @@
 """The engine's decode step time in two variants of the CPU path, side by side.
 
-    .venv/bin/python bench/step_time.py [--compare cpu-ops|sgemm] [--dtype bfloat16]
-                                        [--batches 1,16] [--rounds 3]
+    .venv/bin/python -m bench.engine.step_time [--compare cpu-ops|sgemm] [--dtype bfloat16]
+                                               [--batches 1,16] [--rounds 3]
 
 ``--compare cpu-ops`` (the default): the C++ CPU ops against the Python ops
 (``PDSERVE_CPU_OPS=python`` keeps the Python ops; the default uses the C++ ops and
@@ -26,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import ROOT
+
 COMPARISONS = {
     "cpu-ops": {"python ops": {"PDSERVE_CPU_OPS": "python"}, "C++ ops": {}},
     "sgemm": {"oneDNN": {"PDSERVE_CPU_SGEMM": "0"}, "sgemm": {}},
@@ -79,9 +80,10 @@ def main() -> None:
     for r in range(args.rounds):
         for name, env in variants.items():
             done = subprocess.run(
-                [sys.executable, __file__, "--child", "--dtype", args.dtype]
+                [sys.executable, "-m", "bench.engine.step_time", "--child", "--dtype", args.dtype]
                 + ["--batches", args.batches],
-                env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+                cwd=ROOT,
+                env={**os.environ, **env},
                 capture_output=True,
                 text=True,
                 timeout=1800,

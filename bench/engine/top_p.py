@@ -1,7 +1,7 @@
 """What the top-p filter costs a sampled step: the nucleus looked for among the most probable
 tokens first (``top_p_filtered``) against a sort of every row's whole vocabulary.
 
-    .venv/bin/python bench/top_p.py [--rows 16] [--repeats 30]
+    .venv/bin/python -m bench.engine.top_p [--rows 16] [--repeats 30]
 
 The logits are SmolLM2-135M-Instruct's own (the prepared checkpoint, one forward over a
 fixed English text, float32), so that the nuclei have a language model's sizes. The two
@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pdserve.engine.prepare_model import prepare_default_model  # noqa: E402
-from pdserve.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered  # noqa: E402
+from pdserve.engine.prepare_model import prepare_default_model
+from pdserve.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered
 
 TEXT = (
     "The history of the city begins in the early middle ages, when a small group of "

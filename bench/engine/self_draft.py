@@ -6,7 +6,7 @@ embedded engine (float32, greedy) generates a rewrite request and a chat request
 without the draft; the table gives the acceptance and the time against no speculation.
 Writes bench/RESULTS.md's self-draft section.
 
-    .venv/bin/python bench/self_draft.py [--layers 4,10,20] [--write-results]
+    .venv/bin/python -m bench.engine.self_draft [--layers 4,10,20] [--write-results]
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.core.model import default_model_dir  # noqa: E402
-from pdserve.core.sampling import SamplingParams  # noqa: E402
-from pdserve.engine.draft_model import write_layer_draft  # noqa: E402
-from pdserve.engine.llm import LLM  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from pdserve.core.model import default_model_dir
+from pdserve.core.sampling import SamplingParams
+from pdserve.engine.draft_model import write_layer_draft
+from pdserve.engine.llm import LLM
 
 SECTION = "self-draft"
 TEXT = (
@@ -103,7 +101,7 @@ def main() -> int:
         "model's. A trained small model with the same tokenizer (e.g. a distilled one) is "
         "the draft to use; none is installable here.",
         "",
-        f"Command: `.venv/bin/python bench/self_draft.py --layers {args.layers} --write-results`",
+        f"Command: `.venv/bin/python -m bench.engine.self_draft --layers {args.layers} --write-results`",
     ]
     body = "\n".join(lines)
     print(body)
