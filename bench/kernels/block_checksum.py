@@ -6,7 +6,7 @@ A SmolLM2-135M block: 16 tokens x 30 layers x 2 (K, V) x 3 KV heads x 64 dims, i
 prefill worker pays one checksum per block it pushes, the decode worker one per block it
 fetches (``services/kv/blocks.py``, ``block_checksum``).
 
-    .venv/bin/python bench/block_checksum.py
+    .venv/bin/python -m bench.kernels.block_checksum
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pdserve.kv.blocks import block_checksum  # noqa: E402
+from pdserve.kv.blocks import block_checksum
 
 CANDIDATES: dict[str, Callable[[bytes], object]] = {
     "zlib.crc32": zlib.crc32,

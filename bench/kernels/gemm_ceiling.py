@@ -1,4 +1,4 @@
-"""The fastest any engine could run engine_throughput.py's workload here: its GEMMs at this CPU's best rate.
+"""The fastest any engine could run bench.engine.throughput's workload here: its GEMMs at this CPU's best rate.
 
 Counts the floating-point work the workload cannot avoid (every prompt token through
 every layer's linears, every decoded token through the linears and lm_head, and
@@ -9,7 +9,7 @@ batching on the same prompts, alternating. The work divided by the best rate is 
 on any engine's time, whatever its software; transformers' time divided by that floor
 is the largest speed-up over transformers that this machine allows.
 
-    .venv/bin/python bench/gemm_ceiling.py --repeats 3 --write-results
+    .venv/bin/python -m bench.kernels.gemm_ceiling --repeats 3 --write-results
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def _markdown(r: dict, args) -> str:
     return f"""## How fast any engine could be here: the GEMM floor (issue 13)
 
 Machine: {r["machine"]}, torch {r["torch"]}. Model: {r["model"]}, float32. Workload:
-engine_throughput.py's ({r["workload"]}, {args.concurrency} at once).
+bench.engine.throughput's ({r["workload"]}, {args.concurrency} at once).
 
 The work no engine can skip: {r["gflop"]["linear"]:.0f} GFLOP of linears (prompt tokens through every
 layer, lm_head on each prompt's last token and on each decoded token) and
@@ -257,7 +257,7 @@ The last two rows are floors on any engine's time on this machine, whatever its
 software: no memory traffic, attention kernel, sampling or scheduling counted. pdserve
 runs at {p / r["shaped_max_tok_s"]:.0%} of the shaped floor's speed.
 
-Command: `.venv/bin/python bench/gemm_ceiling.py --repeats {args.repeats} --write-results`
+Command: `.venv/bin/python -m bench.kernels.gemm_ceiling --repeats {args.repeats} --write-results`
 """
 
 

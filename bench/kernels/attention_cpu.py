@@ -1,9 +1,9 @@
 """Decode attention on the CPU: the C kernel (``pdserve.kernels.attention_cpu``) against the torch
 reference (gather + SDPA), at SmolLM2-135M's shapes, in the engine's cache layout.
 
-    .venv/bin/python bench/attention_cpu.py [--dtype float32] [--batches 1,16,32]
-                                            [--contexts 256,1024] [--repeats 30]
-                                            [--layers 30]
+    .venv/bin/python -m bench.kernels.attention_cpu [--dtype float32] [--batches 1,16,32]
+                                                    [--contexts 256,1024] [--repeats 30]
+                                                    [--layers 30]
 
 9 query heads, 3 KV heads, head dim 64, blocks of 16 tokens, head-major blocks, shuffled
 block tables. With ``--layers 1`` (the default) a measurement is one layer's call on a

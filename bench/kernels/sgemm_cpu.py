@@ -5,7 +5,7 @@ down, then lm_head; random weights of the model's shapes, about 540 MB for SmolL
 they come from memory as in a step) at each row count, the two kernels alternating,
 best of --repeats. Writes a RESULTS.md section with --write-results.
 
-    .venv/bin/python bench/sgemm_cpu.py --write-results
+    .venv/bin/python -m bench.kernels.sgemm_cpu --write-results
 """
 
 from __future__ import annotations
@@ -14,18 +14,14 @@ import argparse
 import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.compare import machine  # noqa: E402
-from bench.gemm_ceiling import Shapes, fused  # noqa: E402
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.engine.prepare_model import resolve_model  # noqa: E402
-from pdserve.kernels import sgemm_cpu  # noqa: E402
+from bench import ROOT
+from bench.kernels.gemm_ceiling import Shapes, fused
+from bench.results_md import machine, replace_section
+from pdserve.engine.prepare_model import resolve_model
+from pdserve.kernels import sgemm_cpu
 
 
 def step_shapes(s: Shapes) -> list[tuple[int, int]]:
@@ -109,7 +105,7 @@ from memory), the two kernels alternating, best of {args.repeats}.
 |---|---|---|---|---|---|
 {table}
 
-Command: `.venv/bin/python bench/sgemm_cpu.py --repeats {args.repeats} --write-results`
+Command: `.venv/bin/python -m bench.kernels.sgemm_cpu --repeats {args.repeats} --write-results`
 """,
         )
     return 0

@@ -1,0 +1,1 @@
+"""CPU kernel microbenchmarks: attention, sgemm, block checksums, and the GEMM ceiling."""
