@@ -1,4 +1,4 @@
-"""`pdserve bench serve` against the plain transformers baseline (bench/hf_server.py), so
+"""`pdserve bench serve` against the plain transformers baseline (bench/serving/hf_server.py), so
 that both systems are measured by the same client."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def hf_server(tiny_chat_llama_path, tmp_path_factory):
     try:
         server = c.start(
             "hf-server",
-            "bench.hf_server",
+            "bench.serving.hf_server",
             "--model",
             str(model),
             *("--num-threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "20"),

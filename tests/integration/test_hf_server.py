@@ -1,4 +1,4 @@
-"""bench/hf_server.py as a real process on a tiny random Llama, called with the `openai` client.
+"""bench/serving/hf_server.py as a real process on a tiny random Llama, called with the `openai` client.
 
 The baseline must be a fair floor for benchmarks: greedy output equals
 transformers' own `generate`, concurrent requests batch and each ends at its own
@@ -32,7 +32,7 @@ def base_url(model_dir, tmp_path_factory):
     try:
         server = c.start(
             "hf-server",
-            "bench.hf_server",
+            "bench.serving.hf_server",
             "--model",
             str(model_dir),
             *("--num-threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "50"),

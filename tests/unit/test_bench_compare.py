@@ -1,10 +1,10 @@
-"""bench/compare.py's command lines, medians and RESULTS.md section (no servers started)."""
+"""bench/serving/compare.py's command lines, medians and RESULTS.md section (no servers started)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench import compare
+from bench.serving import compare
 
 
 def _metrics(tok_s: float, tpot: float) -> dict:

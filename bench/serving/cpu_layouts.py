@@ -1,6 +1,6 @@
 """`pdserve up`'s core layouts side by side: split, shared, decode-first, and colocated.
 
-    .venv/bin/python bench/cpu_layouts.py [--layouts split,shared,decode-first,colocated]
+    .venv/bin/python -m bench.serving.cpu_layouts [--layouts split,shared,decode-first,colocated]
 
 Each layout is started alone (`pdserve up --cpu-layout X`, 1 prefill + 1 decode worker,
 `--dtype auto`; colocated: `--disaggregation off --prefill 0`), warmed up, then measured
@@ -18,12 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench import compare  # noqa: E402
-from pdserve.core.model import locate_model  # noqa: E402
-from pdserve.local.launcher import Launcher, free_port  # noqa: E402
+from bench import ROOT
+from bench.serving import compare
+from pdserve.core.model import locate_model
+from pdserve.local.launcher import Launcher, free_port
 
 LAYOUTS = {
     "split": ["--cpu-layout", "split"],

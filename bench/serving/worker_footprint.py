@@ -1,7 +1,7 @@
 """A worker's time to READY (cold and warm compile cache) and resident memory; `pdserve up`'s
 time to ready.
 
-    .venv/bin/python bench/worker_footprint.py [--write-results]
+    .venv/bin/python -m bench.serving.worker_footprint [--write-results]
 
 - decode worker, default settings (SmolLM2, --dtype auto, default KV budget): started with
   an empty inductor cache (cold: a temporary TORCHINDUCTOR_CACHE_DIR) and then with the
@@ -31,12 +31,9 @@ import urllib.request
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.compare import machine  # noqa: E402
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.local.launcher import Launcher, free_port  # noqa: E402
+from bench import ROOT
+from bench.results_md import machine, replace_section
+from pdserve.local.launcher import Launcher, free_port
 
 PY = sys.executable
 
@@ -169,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         f"compile side by side), {up['warm']} s when started again with the cache that "
         "run filled.",
         "",
-        "Command: `.venv/bin/python bench/worker_footprint.py --write-results`",
+        "Command: `.venv/bin/python -m bench.serving.worker_footprint --write-results`",
     ]
     if args.write_results:
         replace_section(ROOT / "bench/RESULTS.md", "worker-footprint", "\n".join(lines))

@@ -7,7 +7,7 @@ Four systems, started one at a time on this machine (never two at once: it has
   (its default core layout: decode on both cores, prefill on one), gateway;
 - pdserve-colocated: one decode worker on both cores behind a kvstore-free gateway;
 - vllm: `vllm serve` from vLLM's CPU build in bench/.venv-vllm (installed on first use);
-- hf, hf-bf16: bench/hf_server.py, transformers with static batching, in float32 and in
+- hf, hf-bf16: bench/serving/hf_server.py, transformers with static batching, in float32 and in
   bfloat16 (which is faster depends on the machine and the step: both run).
 
 pdserve runs `--dtype auto`: the faster of float32 and bfloat16 as timed on this machine.
@@ -19,8 +19,8 @@ on a 2-core machine; --prompts-per-concurrency K sends only K*c prompts at concu
 Result JSONs go to bench/out/compare/; --write-results also updates a section of
 bench/RESULTS.md and copies the throughput plot to bench/compare_throughput.png.
 
-    bench/compare.sh --repeats 2 --write-results
-    bench/compare.sh --systems hf,pdserve-colocated --num-prompts 4 --concurrencies 1,2 \\
+    bench/serving/compare.sh --repeats 2 --write-results
+    bench/serving/compare.sh --systems hf,pdserve-colocated --num-prompts 4 --concurrencies 1,2 \\
         --random-input-len 32 --random-output-len 8            # a smoke run
 """
 
@@ -38,11 +38,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import machine, replace_section  # noqa: E402
-from pdserve.local.launcher import Child, Launcher, StartFailed, free_port  # noqa: E402
+from bench import ROOT
+from bench.results_md import machine, replace_section
+from pdserve.local.launcher import Child, Launcher, StartFailed, free_port
 
 PDSERVE = str(ROOT / ".venv/bin/pdserve")
 PYTHON = str(ROOT / ".venv/bin/python")
@@ -138,8 +136,8 @@ def start_vllm(system: System, model: Path, timeout: float) -> str:
 
 
 def start_hf(system: System, model: Path, timeout: float, dtype: str = "float32") -> str:
-    """bench/hf_server.py: transformers, static batches of up to 16."""
-    argv = [PYTHON, "-m", "bench.hf_server", "--model", str(model), "--port", "0"]
+    """bench/serving/hf_server.py: transformers, static batches of up to 16."""
+    argv = [PYTHON, "-m", "bench.serving.hf_server", "--model", str(model), "--port", "0"]
     argv += ["--dtype", dtype, "--max-batch-size", "16"]
     server = system.start("hf", argv, timeout, expect=["hf-server"])
     return "http://" + server.address
@@ -293,7 +291,7 @@ def markdown(summary: dict) -> str:
         "",
         *rows,
         "",
-        f"Command: `bench/compare.sh {summary['command']}`",
+        f"Command: `bench/serving/compare.sh {summary['command']}`",
         "",
     ]
     for entry in summary["systems"]:

@@ -8,7 +8,7 @@ are interleaved (the order turns every repeat) so that the machine's noise falls
 alike, and repeat r uses workload seed r on every cluster. The command line is vLLM's
 (`vllm bench serve` flag names). Writes bench/RESULTS.md's tracing-overhead section.
 
-    .venv/bin/python bench/tracing_overhead.py [--repeats 2] [--base REV] [--write-results]
+    .venv/bin/python -m bench.serving.tracing_overhead [--repeats 2] [--base REV] [--write-results]
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.core.model import default_model_dir  # noqa: E402
-from pdserve.local.launcher import Launcher, free_port  # noqa: E402
-from pdserve.testing.otlp_collector import OtlpCollector  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from pdserve.core.model import default_model_dir
+from pdserve.local.launcher import Launcher, free_port
+from pdserve.testing.otlp_collector import OtlpCollector
 
 SECTION = "tracing-overhead"
 OUT = ROOT / "bench/out/tracing"
@@ -198,7 +196,7 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
         f"The machine is shared: its 1-minute load average after the runs was "
         f"{min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores.",
         "",
-        f"Command: `.venv/bin/python bench/tracing_overhead.py --repeats {args.repeats}"
+        f"Command: `.venv/bin/python -m bench.serving.tracing_overhead --repeats {args.repeats}"
         + (f" --base {args.base}" if "base" in runs else "")
         + " --write-results`; run "
         + time.strftime("%Y-%m-%d")

@@ -7,7 +7,7 @@ decodes them together with a KV cache, token by token, until every request of
 the batch is done; only then does the next batch start. The asyncio front
 (FastAPI on uvicorn) tokenizes, streams tokens as they come and detokenizes.
 
-    python -m bench.hf_server --model DIR --dtype float32 --max-batch-size 16
+    python -m bench.serving.hf_server --model DIR --dtype float32 --max-batch-size 16
 """
 
 from __future__ import annotations

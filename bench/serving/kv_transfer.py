@@ -11,7 +11,7 @@ several lengths, a disaggregated request's time to first token -- prefill on one
 export of the prompt's blocks, PutBlocks -- and the share of it spent on transfer, plus
 what the decode side pays before its first step (GetBlocks and the import into its cache).
 
-    .venv/bin/python bench/kv_transfer.py --repeats 3 --write-results
+    .venv/bin/python -m bench.serving.kv_transfer --repeats 3 --write-results
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pdserve.kv.client import KVStoreClient  # noqa: E402
-from pdserve.local.launcher import Child, Launcher  # noqa: E402
-from pdserve.runtime.rpc import STREAM_CHUNK_BYTES  # noqa: E402
-from pdserve.v1 import common_pb2  # noqa: E402
+from bench import ROOT
+from pdserve.kv.client import KVStoreClient
+from pdserve.local.launcher import Child, Launcher
+from pdserve.runtime.rpc import STREAM_CHUNK_BYTES
+from pdserve.v1 import common_pb2
 
 # SmolLM2-135M's KV block: 30 layers, 3 KV heads, head dim 64, 16 tokens per block.
 SMOLLM2_LAYOUT = common_pb2.BlockLayout(
@@ -306,7 +304,7 @@ def main() -> int:
 
         body = (
             "## KV transfer through the kvstore (issue 3)\n\n"
-            f"Machine: {result['machine']}. Command: `.venv/bin/python bench/kv_transfer.py "
+            f"Machine: {result['machine']}. Command: `.venv/bin/python -m bench.serving.kv_transfer "
             f"--repeats {args.repeats} --write-results` (medians of {args.repeats} runs).\n\n"
             f"Throughput, {args.num_blocks:,} blocks of {args.block_bytes:,} B (a SmolLM2-135M "
             "float32 block) through a kvstore process on 127.0.0.1, against an in-process copy "

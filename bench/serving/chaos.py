@@ -11,8 +11,8 @@ seconds the load stops, and one line sums it up: requests, failures (an error, o
 other than the fault-free engine's), migrations, and the p99 added latency of a migrated
 request: its latency minus the median latency of the unbroken requests of its length.
 
-    .venv/bin/python bench/chaos.py --duration 300 --write-results
-    .venv/bin/python bench/chaos.py --model ~/.cache/pdserve/models/SmolLM2-135M-Instruct \
+    .venv/bin/python -m bench.serving.chaos --duration 300 --write-results
+    .venv/bin/python -m bench.serving.chaos --model ~/.cache/pdserve/models/SmolLM2-135M-Instruct \
         --step-delay 0 --idle-timeout 30
 
 The default model is a tiny random Llama whose steps are slowed to a real model's pace
@@ -46,11 +46,9 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.testing.chaos import (  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from pdserve.testing.chaos import (
     ENGINE,
     FAULTS,
     ChaosCluster,
@@ -61,7 +59,7 @@ from pdserve.testing.chaos import (  # noqa: E402
     reference_tokens,
     routes,
 )
-from pdserve.testing.metrics import metric  # noqa: E402
+from pdserve.testing.metrics import metric
 
 NUM_JOBS = 64  # distinct jobs, cycled
 LENGTHS = (64, 128, 192)
@@ -234,7 +232,7 @@ def results_section(r: dict, args: argparse.Namespace, model: Path, line: str) -
         "timeout first, then both recompute the prompt and the tokens so far."
     )
     command = (
-        f".venv/bin/python bench/chaos.py --duration {args.duration:g} --concurrency "
+        f".venv/bin/python -m bench.serving.chaos --duration {args.duration:g} --concurrency "
         f"{args.concurrency} --fault-interval {args.fault_interval:g} --seed {args.seed}"
         + (f" --model {args.model}" if args.model else "")
         + (f" --step-delay {args.step_delay:g}" if args.step_delay != 0.03 else "")

@@ -8,7 +8,7 @@ compiled step calls, sampling, the rest of the compiled graph) and by thread rol
 (engine thread, asyncio/gRPC threads). Needs py-spy (`pip install py-spy`) and, for
 py-spy to attach, ptrace rights over the children (root, or ptrace_scope 0).
 
-    .venv/bin/python bench/profile_serving.py --concurrency 16 --write-results
+    .venv/bin/python -m bench.serving.profile_serving --concurrency 16 --write-results
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.compare import System, bench_argv, start_pdserve_disagg, warm_up  # noqa: E402
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.core.model import locate_model  # noqa: E402
-from pdserve.local.launcher import Launcher  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from bench.serving.compare import System, bench_argv, start_pdserve_disagg, warm_up
+from pdserve.core.model import locate_model
+from pdserve.local.launcher import Launcher
 
 SECTION = "serving-profile"
 ROLES = ("decode", "prefill", "gateway", "kvstore")
@@ -183,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if still_loading else " **(the load ended before sampling did)**")
         + ".",
         "",
-        f"Command: `.venv/bin/python bench/profile_serving.py --concurrency {args.concurrency}`",
+        f"Command: `.venv/bin/python -m bench.serving.profile_serving --concurrency {args.concurrency}`",
     ]
     for role in ROLES:
         path = tmp / f"{role}.txt"

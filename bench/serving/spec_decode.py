@@ -9,7 +9,7 @@ every repeat, and repeat r uses workload seed r on both. The acceptance rate and
 acceptance length come from the gateway's `/metrics` (its `spec_decode_*` counters) before
 and after each run. Writes bench/RESULTS.md's speculative-decoding section.
 
-    .venv/bin/python bench/spec_decode.py [--repeats 2] [--write-results]
+    .venv/bin/python -m bench.serving.spec_decode [--repeats 2] [--write-results]
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.core.model import default_model_dir  # noqa: E402
-from pdserve.local.launcher import Launcher, free_port  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from pdserve.core.model import default_model_dir
+from pdserve.local.launcher import Launcher, free_port
 
 SECTION = "speculative-decoding"
 OUT = ROOT / "bench/out/spec"
@@ -190,7 +188,7 @@ def report(runs: dict[str, dict[str, list[dict]]], args) -> str:
         f"{max(loads):.1f} on {os.cpu_count()} cores.",
         "",
         "```sh",
-        f".venv/bin/python bench/spec_decode.py --repeats {args.repeats} --write-results",
+        f".venv/bin/python -m bench.serving.spec_decode --repeats {args.repeats} --write-results",
         "```",
     ]
     return "\n".join(lines)
