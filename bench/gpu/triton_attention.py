@@ -1,6 +1,7 @@
 """Time the Triton paged-attention kernels on a CUDA GPU against torch baselines.
 
-    python bench/kernels_gpu.py [--quick] [--out bench/out/kernels_gpu.json] [--write-results]
+    python -m bench.gpu.triton_attention [--quick] [--out bench/out/kernels_gpu.json]
+                                         [--write-results]
 
 For each shape it first checks the kernel against ``pdserve.kernels.attention_ref`` on the
 GPU, then times with ``triton.testing.do_bench`` (median, L2 flushed between runs):
@@ -29,13 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.kernels import attention_ref as ref  # noqa: E402
-from pdserve.kernels import triton_attention as tk  # noqa: E402
-from pdserve.kernels.triton_common import _interpreting  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from pdserve.kernels import attention_ref as ref
+from pdserve.kernels import triton_attention as tk
+from pdserve.kernels.triton_common import _interpreting
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Kernel vs reference on the GPU, same inputs. fp32 runs the IEEE (non-TF32) dot path.
@@ -345,17 +344,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels_gpu: no CUDA device; this benchmark runs on a GPU only.", file=sys.stderr)
+        print(
+            "bench.gpu.triton_attention: no CUDA device; this benchmark runs on a GPU only.",
+            file=sys.stderr,
+        )
         return 2
     if not tk.TRITON_AVAILABLE or _interpreting():
         print(
-            "kernels_gpu: needs triton installed and TRITON_INTERPRET unset.",
+            "bench.gpu.triton_attention: needs triton installed and TRITON_INTERPRET unset.",
             file=sys.stderr,
         )
         return 2
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         print(
-            f"kernels_gpu: --block-size must be a power of two, got {args.block_size}",
+            f"bench.gpu.triton_attention: --block-size must be a power of two, got {args.block_size}",
             file=sys.stderr,
         )
         return 2

@@ -1,6 +1,6 @@
 """The CUDA-graph decode path on a GPU: exactness with graphs on, and TPOT graphs vs eager.
 
-    python bench/cuda_graphs_gpu.py [--out DIR] [--write-results] [--skip-tests]
+    python -m bench.gpu.cuda_graphs [--out DIR] [--write-results] [--skip-tests]
                                     [--model default|random-smollm2|PATH]
 
 1. Runs the exactness tests (tiny Llama/Qwen2 and SmolLM2 against transformers, fp32
@@ -33,11 +33,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.results_md import replace_section  # noqa: E402
-from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from bench import ROOT
+from bench.results_md import replace_section
+from pdserve.engine import LLM, SamplingParams
 
 BATCHES = (1, 16, 64)
 CONTEXT = 256
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {r['batch']} | {r['graphs']:.2f} | {r['eager']:.2f} | "
                 f"{r['eager'] / r['graphs']:.2f}x |"
             )
-        lines += ["", "Command: `python bench/cuda_graphs_gpu.py --write-results`"]
+        lines += ["", "Command: `python -m bench.gpu.cuda_graphs --write-results`"]
         replace_section(ROOT / "bench/RESULTS.md", "cuda-graphs-gpu", "\n".join(lines))
     return 0 if tests_rc == 0 else 1
 
