@@ -1,12 +1,12 @@
 """A longer chaos run: random faults under bounded load on a local cluster.
 
-The cluster of tests/chaos.py (2 prefill workers, 2 decode workers, 2 kvstore replicas,
-Redis, a gateway; each its own process on 127.0.0.1) serves ``--concurrency`` clients that
-send completions without pause, cycling through a fixed set of seeded jobs (greedy and
-sampled, streamed and not, three lengths). Every ``--fault-interval`` seconds one of the
-five faults, drawn at random, is made (a decode worker SIGKILLed under live streams or
-SIGSTOPped past the stream idle timeout, a prefill worker, a kvstore replica or Redis
-SIGKILLed) and followed by the restart a supervisor would make. After ``--duration``
+The ChaosCluster of pdserve.testing.chaos (2 prefill workers, 2 decode workers, 2 kvstore
+replicas, Redis, a gateway; each its own process on 127.0.0.1) serves ``--concurrency``
+clients that send completions without pause, cycling through a fixed set of seeded jobs
+(greedy and sampled, streamed and not, three lengths). Every ``--fault-interval`` seconds
+one of the five faults, drawn at random, is made (a decode worker SIGKILLed under live
+streams or SIGSTOPped past the stream idle timeout, a prefill worker, a kvstore replica or
+Redis SIGKILLed) and followed by the restart a supervisor would make. After ``--duration``
 seconds the load stops, and one line sums it up: requests, failures (an error, or output
 other than the fault-free engine's), migrations, and the p99 added latency of a migrated
 request: its latency minus the median latency of the unbroken requests of its length.

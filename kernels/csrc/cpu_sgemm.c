@@ -3,7 +3,7 @@
  *
  * On CPUs with AVX2 and FMA but no AVX-512, oneDNN's packed float32 linear reaches
  * 110-150 GFLOP/s on 2 threads at SmolLM2's decode and prefill shapes; a plain
- * register-blocked kernel reaches 145-186 (bench/sgemm_cpu.py). The weight is packed once
+ * register-blocked kernel reaches 145-186 (bench/kernels/sgemm_cpu.py). The weight is packed once
  * into panels of 16 columns ([N/16][K][16]); each thread takes a range of groups of 3
  * panels and, for each panel, walks the rows 6 at a time: 6 x 16 accumulators (12 ymm
  * registers), 2 weight loads and 6 broadcasts per k. The M % 6 rows left go 2 at a time

@@ -6,7 +6,7 @@
     pdserve bench sweep ... --concurrencies 1,4,16 --result-file sweep.json
     pdserve bench plot r.json sweep.json --out plots/
 
-The result files' schema is in bench/report.py. The flags of `vllm bench serve` work too, so
+The result files' schema is in pdserve.loadgen.report. The flags of `vllm bench serve` work too, so
 a vLLM user's command line runs unchanged: --dataset-name (random, custom = jsonl, or any
 workload above), --host/--port (instead of --base-url), --backend (openai-chat: the chat
 endpoint), --endpoint /v1/completions, --result-filename, --save-result, --result-dir and

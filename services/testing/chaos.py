@@ -2,7 +2,7 @@
 registered in a real Redis, and a gateway routing from it, each its own process on
 127.0.0.1; the five faults of issue 15, each followed by the restart a supervisor would
 make; a seeded load of completions over HTTP; and where the gateway's log says each
-request ran. Shared by tests/integration/test_chaos.py and bench/chaos.py.
+request ran. Shared by tests/integration/test_chaos.py and bench/serving/chaos.py.
 """
 
 from __future__ import annotations

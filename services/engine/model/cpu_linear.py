@@ -5,7 +5,7 @@ fast kernels read, packed once at start:
 
 - float32 on CPUs with AVX2 and FMA but no AVX-512: only the sgemm kernel's panels
   (``pdserve.kernels.sgemm_cpu``), for every row count: 1.15-1.7x oneDNN's speed there from 1 to
-  512 rows (``bench/sgemm_cpu.py``), and one copy of the weights rather than two;
+  512 rows (``bench/kernels/sgemm_cpu.py``), and one copy of the weights rather than two;
 - otherwise oneDNN's blocked layout for this CPU (AMX tiles, AVX-512 or AVX2), for every
   row count;
 - for bfloat16 on CPUs with AMX, also the AMX kernel's tile layout (``pdserve.kernels.gemm_cpu``),

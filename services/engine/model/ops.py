@@ -6,7 +6,7 @@ from the forward context that the model runner sets around each step.
 They are defined with ``torch.library.Library`` rather than ``torch.library.custom_op``:
 the dispatcher then calls the Python kernel directly, without custom_op's per-call wrapper
 and aliasing check (about 2 us of 4-5 a call; a compiled decode step makes about 150
-calls: ``bench/op_dispatch.py``).
+calls: ``bench/engine/op_dispatch.py``).
 
 On the CPU, where the C++ operators of ``kernels/csrc/torch_ops.cpp`` build
 (``cpu_ops_error() is None``), the model calls those instead (``pdserve_cpu::linear`` and
