@@ -29,6 +29,7 @@ import grpc
 
 from pdserve.controlplane.registry import new_worker_id
 from pdserve.controlplane.view import RegistryView
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.spec_stats import SpecDecodeStats
 from pdserve.engine.async_engine import AsyncEngine, EngineDead, Handover
 from pdserve.kv.blocks import FetchedBlocks, LayoutMismatch, show_key, tail_key
@@ -39,7 +40,12 @@ from pdserve.runtime.service import Serving, run_service
 from pdserve.runtime.trust import Trust, load_trust
 from pdserve.settings.services import DecodeSettings
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
-from pdserve.wire.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto
+from pdserve.wire.convert import (
+    finish_reason_to_proto,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+)
 from pdserve.worker.runtime import error_status, serve_engine, start_engine
 from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
@@ -285,12 +291,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 record.delta(delta)
                 if delta.finish_reason is not None:
                     record.finish(delta)
-                if delta.finish_reason == "error":
+                if delta.finish_reason is FinishReason.ERROR:
                     await context.abort(*error_status(request.request_id, delta.error))
                 yield decode_pb2.DecodeResponse(
                     token_ids=delta.token_ids,
                     logprobs=[logprob_to_proto(lp) for lp in delta.logprobs],
-                    finish_reason=delta.finish_reason or "",
+                    finish_reason=finish_reason_to_proto(delta.finish_reason),
                     num_cached_tokens=delta.num_cached_tokens,
                     num_transferred_tokens=delta.num_imported_tokens,
                     spec=spec_to_proto(delta.spec),

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.sampling import SamplingParams, TokenLogprobs
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestDelta, RequestError, StepOutput
-from pdserve.engine.sequence import PREFILLED, Sequence
+from pdserve.engine.sequence import Sequence
 from pdserve.kv.blocks import FetchedBlocks
 
 logger = logging.getLogger(__name__)
@@ -307,7 +308,7 @@ class AsyncEngine:
         if seq.is_finished:
             del self._streams[seq.request_id]
             reason = seq.finish_reason
-            if reason == PREFILLED:
+            if reason is FinishReason.PREFILLED:
                 exported = self.engine.export_prompt_blocks(seq.request_id)
         else:
             self._streams[seq.request_id] = (loop, out, seq.num_output_tokens)
@@ -318,7 +319,7 @@ class AsyncEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_imported_tokens=seq.num_imported_tokens,
             exported=exported,
-            error=seq.error if reason == "error" else None,
+            error=seq.error if reason is FinishReason.ERROR else None,
             times=seq.times if reason is not None else None,
             num_preemptions=seq.num_preemptions,
             spec=seq.spec_pending,
@@ -382,7 +383,7 @@ class AsyncEngine:
     def _fail_all(self, error: RequestError) -> None:
         for request_id in list(self._streams):
             loop, out, _ = self._streams.pop(request_id)
-            delta = RequestDelta([], [], finish_reason="error", error=error)
+            delta = RequestDelta([], [], finish_reason=FinishReason.ERROR, error=error)
             _post(loop, out.put_nowait, delta)
             self.engine.abort(request_id)
 
@@ -391,7 +392,7 @@ def _engine_down(error: EngineDead) -> RequestDelta:
     """The last delta of a request whose engine died under it."""
     message = f"the worker's engine failed ({error}); retry on another worker"
     return RequestDelta(
-        [], [], finish_reason="error", error=RequestError(message, engine_down=True)
+        [], [], finish_reason=FinishReason.ERROR, error=RequestError(message, engine_down=True)
     )
 
 

@@ -8,6 +8,7 @@ import uuid
 
 import torch
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.model import ModelConfig, check_prompt
 from pdserve.core.sampling import SamplingParams, TokenLogprobs
 from pdserve.core.spec_stats import SpecDecodeStats
@@ -17,7 +18,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineInfo, EngineStats, StepOutput
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.engine.sequence import PREFILLED, Sequence
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
 from pdserve.settings.engine import EngineArgs
@@ -105,7 +106,7 @@ class LLMEngine:
     ) -> Sequence:
         """Queue a request; raise ValueError for a prompt the engine cannot serve.
 
-        ``prefill_only`` (prefill workers): finish after the first token, with PREFILLED
+        ``prefill_only`` (prefill workers): finish after the first token, as PREFILLED
         unless that token already ends the request, and keep the prompt's blocks until
         ``export_prompt_blocks``.
         """
@@ -155,12 +156,12 @@ class LLMEngine:
         for seq in finished:
             seq.times.finished = end
             self._seqs.pop(seq.request_id, None)
-            if seq.finish_reason == PREFILLED:
+            if seq.finish_reason is FinishReason.PREFILLED:
                 self._held[seq.request_id] = seq
         advanced = [
             s
             for s, t in zip(batch.seqs, output.token_ids, strict=True)
-            if t or s.finish_reason == "error"
+            if t or s.finish_reason is FinishReason.ERROR
         ]
         return StepOutput(advanced, finished)
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.model import check_prompt
 from pdserve.core.sampling import SamplingParams, TokenLogprobs
 from pdserve.core.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
 
@@ -91,7 +92,7 @@ class LLM:
             prompt_token_ids=list(seq.prompt_token_ids),
             token_ids=list(seq.output_token_ids),
             text=self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
-            finish_reason=seq.finish_reason or "abort",
+            finish_reason=seq.finish_reason or FinishReason.ABORT,
             logprobs=seq.logprobs,
             num_cached_tokens=seq.num_cached_tokens,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.sampling import TokenLogprobs
 from pdserve.core.spec_stats import SpecDecodeStats
 from pdserve.engine.sequence import RequestTimes, Sequence
@@ -17,7 +18,7 @@ from pdserve.kv.blocks import BlockLayout, ExportedBlock
 
 @dataclass(frozen=True)
 class RequestError:
-    """Why the engine ended one request with finish_reason "error".
+    """Why the engine ended one request with ``FinishReason.ERROR``.
 
     ``invalid``: the request's own values made it fail (e.g. sampling parameters whose
     probabilities are not finite): the caller's fault, a 400. Otherwise a fault in the
@@ -40,7 +41,7 @@ class ModelRunnerOutput:
     and for a request that speculated, its accepted drafts and the target's next token
     (1 to k+1). ``logprobs[i]`` the logprobs of each, when the request asked for them
     (else None each); ``errors[i]`` why its rows could not be sampled (its request ends
-    with "error"; None for every row when all went well).
+    with ERROR; None for every row when all went well).
     """
 
     token_ids: list[list[int]]
@@ -62,11 +63,11 @@ class RequestDelta:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     num_imported_tokens: int = 0
     exported: list[ExportedBlock] | None = None  # a prefilled request: the prompt's blocks
-    error: RequestError | None = None  # with finish_reason "error": why
+    error: RequestError | None = None  # with finish_reason ERROR: why
     # With the finish reason: when the request passed each point in the engine.
     times: RequestTimes | None = None
     num_preemptions: int = 0

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import ModelRunnerOutput
-from pdserve.engine.sequence import PREFILLED, Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode import SpecDecoder
 
 
@@ -166,7 +167,7 @@ class Scheduler:
                 if not num_drafts:
                     self.kv_cache.cache_full_blocks(seq)
                 seq.error = error
-                self._finish(seq, "error")
+                self._finish(seq, FinishReason.ERROR)
                 finished.append(seq)
                 continue
             reason = None
@@ -187,15 +188,16 @@ class Scheduler:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if self.spec is not None:
             self.spec.forget(seq.request_id)
-        if reason != PREFILLED:  # a prefilled request's blocks wait for their export
+        # A prefilled request's blocks wait for their export.
+        if reason is not FinishReason.PREFILLED:
             self.kv_cache.free(seq)
 
-    def finish_now(self, seq: Sequence, reason: str) -> None:
+    def finish_now(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish a sequence that is in no queue (e.g. done on arrival)."""
         self._finish(seq, reason)
 
@@ -205,6 +207,6 @@ class Scheduler:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self._finish(seq, "abort")
+                    self._finish(seq, FinishReason.ABORT)
                     return seq
         return None

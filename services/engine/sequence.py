@@ -7,13 +7,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.sampling import SamplingParams, TokenLogprobs
 from pdserve.core.spec_stats import SpecDecodeStats
 from pdserve.kv.hashing import BlockHash
-
-# The finish reason of a prefill worker's request: its first token is sampled and its
-# prompt's blocks are held for export; a decode worker generates the rest.
-PREFILLED = "prefilled"
 
 
 class SequenceStatus(enum.Enum):
@@ -73,15 +70,15 @@ class Sequence:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None
     arrival: int = field(default_factory=lambda: next(_counter))
     num_preemptions: int = 0
-    # Prefill workers: finish after the first token (PREFILLED) and keep the prompt's blocks
-    # until they are exported.
+    # Prefill workers: finish after the first token (FinishReason.PREFILLED) and keep the
+    # prompt's blocks until they are exported.
     prefill_only: bool = False
     num_imported_tokens: int = 0
-    error: object | None = None  # a RequestError when finish_reason is "error"
+    error: object | None = None  # a RequestError when finish_reason is ERROR
     times: RequestTimes = field(default_factory=RequestTimes)
     # Tokens proposed for this step after its last one (speculative decoding): scored with
     # it, not yet part of ``token_ids``; the scheduler clears them once they are verified.
@@ -118,7 +115,7 @@ class Sequence:
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
 
-    def check_stop(self, max_model_len: int) -> str | None:
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
         """The finish reason after the last appended token, or None to go on.
 
         The one stop check of pdserve: a prefill worker's first token meets it here too.
@@ -127,9 +124,9 @@ class Sequence:
         p = self.params
         if self.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if last in p.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
-        return PREFILLED if self.prefill_only else None
+            return FinishReason.LENGTH
+        return FinishReason.PREFILLED if self.prefill_only else None

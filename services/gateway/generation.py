@@ -14,13 +14,15 @@ from typing import Any
 
 import grpc
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.gateway.detokenizer import IncrementalDetokenizer
 from pdserve.gateway.orchestrator import Orchestrator, StreamStalled, WorkerProtocolError
 from pdserve.gateway.requests import InvalidRequest, PreparedRequest
 from pdserve.gateway.router import NoWorkerError
 from pdserve.gateway.stop import StopChecker
 from pdserve.gateway.telemetry import RequestTelemetry
-from pdserve.v1 import common_pb2, gateway_pb2
+from pdserve.v1 import common_pb2, decode_pb2, gateway_pb2
+from pdserve.wire.convert import finish_reason_from_proto, finish_reason_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ async def generate(
 ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
     """Messages with new tokens and text; the last has finish_reason and usage.
 
-    A stop string ends the stream as "stop" and cancels the generation upstream, and so
+    A stop string ends the stream as STOP and cancels the generation upstream, and so
     does closing the iterator or cancelling its consumer. ``telemetry``: the request this
     is a choice of (its clock, span and metrics).
     """
@@ -50,7 +52,7 @@ async def generate(
     stop = StopChecker(list(request.stop))
     usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))
     clock = telemetry.choice()
-    last = None
+    last, reason = None, None
     moves: list[str] = []
     events = orchestrator.generate(
         request.request_id, request.prompt_token_ids, request.params, moves, telemetry.span
@@ -64,7 +66,8 @@ async def generate(
                 telemetry.metrics.count_spec(event.spec)
             usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.num_cached_tokens)
             text, stopped = stop.feed(detokenizer.add(list(event.token_ids)))
-            if event.finish_reason and not stopped:
+            upstream = _finish_reason(request, event)
+            if upstream and not stopped:
                 tail, stopped = stop.feed(detokenizer.finish())
                 text += tail if stopped else tail + stop.flush()
             chunk = gateway_pb2.GenerateResponse(
@@ -72,8 +75,9 @@ async def generate(
             )
             if request.wants_logprobs:
                 chunk.logprobs.extend(event.logprobs)
-            if stopped or event.finish_reason:
-                chunk.finish_reason = "stop" if stopped else event.finish_reason
+            if stopped or upstream:
+                reason = FinishReason.STOP if stopped else upstream
+                chunk.finish_reason = finish_reason_to_proto(reason)
                 last = chunk
                 break  # leaving `async with` cancels the decode call if it still runs
             if chunk.token_ids or chunk.text:
@@ -81,7 +85,7 @@ async def generate(
     if last is None:
         raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")
     last.usage.CopyFrom(usage)
-    ttft, e2e = clock.finish(usage, last.finish_reason)
+    ttft, e2e = clock.finish(usage, reason)
     logger.info(
         "request %s%s: %d prompt tokens (%d cached), %d generated, finish %s, "
         "TTFT %s, e2e %.1f ms, on %s",
@@ -90,13 +94,23 @@ async def generate(
         usage.prompt_tokens,
         usage.cached_prompt_tokens,
         usage.completion_tokens,
-        last.finish_reason,
+        reason,
         "-" if ttft is None else f"{ttft * 1e3:.1f} ms",
         e2e * 1e3,
         " -> ".join(moves),
         extra=log_ids(request.request_id, telemetry.trace_id),
     )
     yield last
+
+
+def _finish_reason(
+    request: PreparedRequest, event: decode_pb2.DecodeResponse
+) -> FinishReason | None:
+    """The finish reason a worker's message carries, if any."""
+    try:
+        return finish_reason_from_proto(event.finish_reason)
+    except ValueError as error:
+        raise WorkerProtocolError(f"request {request.request_id}: {error}") from None
 
 
 def log_ids(request_id: str, trace_id: str) -> dict[str, str]:

@@ -8,6 +8,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.gateway.generation import REQUEST_ERRORS
 from pdserve.gateway.openai_protocol import api_error_of
@@ -154,8 +155,9 @@ class Reply:
 
 
 def _finish_reason(reason: str) -> str:
-    """OpenAI's two reasons: "length" when max_tokens ran out, else "stop" (EOS, stop token or string)."""
-    return "length" if reason == "length" else "stop"
+    """OpenAI's two reasons, from a message's ``finish_reason``: "length" when max_tokens ran
+    out, else "stop" (EOS, stop token or string)."""
+    return "length" if reason == FinishReason.LENGTH else "stop"
 
 
 def _usage(usages: list[common_pb2.Usage]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.runtime import tracing
 from pdserve.v1 import common_pb2
@@ -55,7 +56,7 @@ class RequestTelemetry:
         self.trace_id = tracing.trace_id(self.span)
         self.first_token_at: float | None = None
         self.usage = common_pb2.Usage()
-        self.finish_reasons: list[str] = []
+        self.finish_reasons: list[FinishReason] = []
         self._ended = False
 
     def phase(self, name: str) -> Any:
@@ -134,7 +135,9 @@ class ChoiceTelemetry:
             metrics.requests.itl.observe(now - self.last)
         self.last = now
 
-    def finish(self, usage: common_pb2.Usage, finish_reason: str) -> tuple[float | None, float]:
+    def finish(
+        self, usage: common_pb2.Usage, finish_reason: FinishReason
+    ) -> tuple[float | None, float]:
         """The choice ended: count it; its (TTFT or None, e2e) in seconds."""
         request, metrics = self.request, self.request.metrics
         e2e = time.perf_counter() - request.arrival

@@ -15,8 +15,8 @@ import grpc
 
 from pdserve.controlplane.registry import new_worker_id
 from pdserve.controlplane.view import RegistryView
+from pdserve.core.finish_reason import FinishReason
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.sequence import PREFILLED
 from pdserve.kv.blocks import ExportedBlock
 from pdserve.kv.client import KVStorePlacement
 from pdserve.kv.convert import layout_to_proto
@@ -25,7 +25,7 @@ from pdserve.runtime.service import Serving, run_service
 from pdserve.runtime.trust import load_trust
 from pdserve.settings.services import PrefillSettings
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from pdserve.wire.convert import logprob_to_proto, sampling_from_proto
+from pdserve.wire.convert import finish_reason_to_proto, logprob_to_proto, sampling_from_proto
 from pdserve.worker.runtime import error_status, serve_engine, start_engine
 from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
@@ -84,7 +84,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last = deltas[-1]
         record.finish(last)
-        if last.finish_reason == "error":
+        if last.finish_reason is FinishReason.ERROR:
             await context.abort(*error_status(request.request_id, last.error))
         blocks = last.exported or []  # only a PREFILLED request has any
         addresses = await self._push(request.request_id, blocks, record.span) if blocks else []
@@ -96,7 +96,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kvstore_address=addresses[0] if addresses else "",
             block_kvstore_addresses=addresses if len(set(addresses)) > 1 else [],
             layout=self.layout,
-            finish_reason="" if last.finish_reason == PREFILLED else last.finish_reason,
+            finish_reason=finish_reason_to_proto(last.finish_reason),
         )
         if last.logprobs:
             response.first_logprob.CopyFrom(logprob_to_proto(last.logprobs[0]))

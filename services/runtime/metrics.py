@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.settings.process import host_port
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class RequestMetrics:
         )
         self._values = values
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: FinishReason) -> None:
         """Count one finished request."""
         self._success.labels(*self._values, reason).inc()
 

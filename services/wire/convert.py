@@ -8,6 +8,7 @@ reads back exactly what the gateway checked.
 
 from __future__ import annotations
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.sampling import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprobs
 from pdserve.v1 import common_pb2
 
@@ -65,3 +66,14 @@ def logprob_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
 def logprob_from_proto(lp: common_pb2.TokenLogprob) -> TokenLogprobs:
     """A token's logprobs from their message."""
     return TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=dict(lp.top))
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> str:
+    """A message's ``finish_reason``: "" while the request goes on, which a PREFILLED one
+    does (on a decode worker)."""
+    return "" if reason is None or reason is FinishReason.PREFILLED else reason.value
+
+
+def finish_reason_from_proto(text: str) -> FinishReason | None:
+    """A message's ``finish_reason`` ("": none yet); ValueError for a word no worker sends."""
+    return FinishReason(text) if text else None

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 def error_status(request_id: str, error: RequestError | None) -> tuple[grpc.StatusCode, str]:
-    """The status of a request the engine ended with "error": INVALID_ARGUMENT when its own
+    """The status of a request the engine ended with ERROR: INVALID_ARGUMENT when its own
     values caused it, UNAVAILABLE when the engine itself is down (retry elsewhere), else
     INTERNAL; the message names the request."""
     if error is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.core.spec_stats import SpecDecodeStats
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.outputs import RequestDelta
@@ -175,7 +176,7 @@ class RequestRecord:
     prompt_tokens: int
     first_token_here: bool
     generated: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     fetched_at: float | None = None  # a handed-over request: when its blocks were fetched
     _last_delta_at: float | None = field(default=None, repr=False)
 
@@ -192,7 +193,7 @@ class RequestRecord:
         """The request ended with ``last``: observe its latencies, draw its engine spans."""
         self.finish_reason = last.finish_reason
         requests = self.metrics.requests
-        requests.finished(last.finish_reason or "abort")
+        requests.finished(last.finish_reason or FinishReason.ABORT)
         requests.tokens(self.prompt_tokens, self.generated)
         times = last.times
         if times is None or times.scheduled is None or times.finished is None:
@@ -226,7 +227,7 @@ class RequestRecord:
     def abandoned(self) -> None:
         """The caller went away (or the call failed) before the request finished."""
         if self.finish_reason is None:
-            self.metrics.requests.finished("abort")
+            self.metrics.requests.finished(FinishReason.ABORT)
 
 
 def request_attributes(request: object, worker_id: str) -> dict[str, object]:

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from pdserve.core.finish_reason import FinishReason
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, Handover
-from pdserve.engine.sequence import PREFILLED
 from pdserve.kv.blocks import FetchedBlocks
 
 PROMPT = list(range(40, 90))  # 3 full blocks and a tail of 2
@@ -34,14 +34,14 @@ def run(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     ("params", "reason"),
-    [(greedy(8), PREFILLED), (greedy(1), "length")],
+    [(greedy(8), FinishReason.PREFILLED), (greedy(1), FinishReason.LENGTH)],
 )
 def test_prefill_only_stops_at_the_first_token_with_the_one_stop_check(llms, params, reason):
     prefill, _ = llms
     seq = prefill.engine.add_request(PROMPT, params, f"p-{reason}", prefill_only=True)
     run(prefill)
     assert seq.num_output_tokens == 1 and seq.finish_reason == reason
-    if reason == PREFILLED:
+    if reason is FinishReason.PREFILLED:
         blocks = prefill.engine.export_prompt_blocks(seq.request_id)
         assert [b.num_tokens for b in blocks] == [16, 16, 16, 2]
     assert prefill.stats().num_free_blocks == prefill.stats().num_total_blocks
