@@ -15,6 +15,13 @@ from pdserve.settings.flags import build_parser, parse_settings, parse_with
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
     """`pdserve generate PROMPT...`: print each prompt's completion on a line."""
+    settings, prompts = parse_generate_args(argv)
+    configure_logging(settings.log)
+    return _guarded(lambda: _generate(settings, prompts))
+
+
+def parse_generate_args(argv: Sequence[str] | None) -> tuple[GenerateSettings, list[str]]:
+    """The settings and the prompts of `pdserve generate ARGV` (a bad flag exits 2)."""
     parser = build_parser(
         GenerateSettings,
         "pdserve generate",
@@ -23,8 +30,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("prompts", nargs="+", help="prompt texts")
     settings, ns = parse_with(parser, GenerateSettings, argv)
-    configure_logging(settings.log)
-    return _guarded(lambda: _generate(settings, ns.prompts))
+    return settings, ns.prompts
 
 
 def _generate(settings: GenerateSettings, prompts: list[str]) -> int:

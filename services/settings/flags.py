@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -156,22 +157,61 @@ def _kind(hint: Any, cls: type, name: str) -> type:
 
 
 class _BoolAction(argparse.Action):
-    """``--x`` (on), ``--x off`` (any of parse_bool's words) and ``--no-x`` (off)."""
+    """A switch: ``--x`` (on), ``--no-x`` (off). ``_Parser`` turns ``--x=off`` (any of
+    parse_bool's words) into one of them; the switch itself never takes the next word, so
+    ``pdserve generate --chat PROMPT`` keeps its prompt."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
         flag = option_strings[0]
-        super().__init__([flag, "--no-" + flag[2:]], dest, nargs="?", **kwargs)
+        super().__init__([flag, "--no-" + flag[2:]], dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if option_string.startswith("--no-"):
-            if values is not None:
-                parser.error(f"{option_string} takes no value")
-            setattr(namespace, self.dest, False)
-            return
-        try:
-            setattr(namespace, self.dest, True if values is None else parse_bool(values))
-        except argparse.ArgumentTypeError as error:
-            parser.error(f"{option_string}: {error}")
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose bool flags also take a value after ``=`` (``--chat=off``).
+
+    On a command without positional arguments, the word after a bool flag is its value too
+    (``--disaggregation off``, as scripts and docs write it): nothing else could be meant.
+    On one with positional arguments (``pdserve generate``'s prompts) it never is.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self._fold_bool_values(args), namespace)
+
+    def _fold_bool_values(self, args: list[str]) -> list[str]:
+        """``args`` with each bool flag and its value written as ``--x`` or ``--no-x``."""
+        flags = {a.option_strings[0] for a in self._actions if isinstance(a, _BoolAction)}
+        next_word_is_value = all(a.option_strings for a in self._actions)
+        out: list[str] = []
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            i += 1
+            if arg == "--":  # what follows is positional
+                return out + args[i - 1 :]
+            flag, eq, value = arg.partition("=")
+            if flag not in flags:
+                out.append(arg)
+                continue
+            if not eq:
+                word = args[i] if i < len(args) else "-"
+                if word.startswith("-") or not next_word_is_value:
+                    out.append(flag)
+                    continue
+                value = word
+                i += 1
+            try:
+                on = parse_bool(value)
+            except argparse.ArgumentTypeError as error:
+                self.error(f"{flag}: {error}")
+            out.append(flag if on else "--no-" + flag[2:])
+        return out
 
 
 class _ListAction(argparse.Action):
@@ -201,9 +241,7 @@ def _add(group: Any, opt: Option) -> None:
     kwargs: dict[str, Any] = {"dest": dest, "help": help_text}
     if opt.kind is bool:
         default = opt.default if env is None else _env_value(opt, env, parse_bool)
-        group.add_argument(
-            opt.flag, action=_BoolAction, default=default, metavar="on|off", **kwargs
-        )
+        group.add_argument(opt.flag, action=_BoolAction, default=default, **kwargs)
         return
     if opt.kind is tuple:
         default = opt.default if env is None else tuple(_split_list(env))
@@ -268,7 +306,7 @@ def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPar
 
     A ``PDSERVE_*`` variable that is not a valid value of its flag exits 2 naming both.
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description=description,
         epilog="Every flag can also be set by the environment variable named in its help; "

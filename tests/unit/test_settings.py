@@ -10,6 +10,7 @@ import typing
 
 import pytest
 
+from pdserve.engine.cli import parse_generate_args
 from pdserve.settings.commands import ALL_SETTINGS, UpSettings, known_env
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.flags import build_parser, options, parse_settings, to_argv, warn_unknown_env
@@ -162,3 +163,59 @@ def test_every_service_help_has_the_same_layout(cls):
     assert "Every flag can also be set by the environment variable" in text
     flags = [o.flag for o in options(cls)]
     assert all(f"{o.env};" in text for o in options(cls)), flags
+
+
+# -- bool flags: switches, with a value after "=" ---------------------------------------
+
+
+def test_generate_chat_keeps_the_prompt_after_it():
+    settings, prompts = parse_generate_args(["--chat", "Write a haiku about GPUs."])
+    assert settings.chat is True and prompts == ["Write a haiku about GPUs."]
+    settings, prompts = parse_generate_args(["--chat", "off"])  # a prompt, too
+    assert settings.chat is True and prompts == ["off"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "chat"),
+    [
+        (["--chat=false", "p"], False),
+        (["--chat=on", "p"], True),
+        (["--no-chat", "p"], False),
+        (["p", "--chat"], True),
+        (["--chat", "--", "p"], True),
+    ],
+)
+def test_a_bool_flag_takes_a_value_only_after_equals_beside_prompts(argv, chat):
+    settings, prompts = parse_generate_args(argv)
+    assert settings.chat is chat and prompts == ["p"]
+
+
+def test_a_bool_variable_still_reads_true_and_false(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CHAT", "true")
+    assert parse_generate_args(["p"])[0].chat is True
+    monkeypatch.setenv("PDSERVE_CHAT", "false")
+    assert parse_generate_args(["p"])[0].chat is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "on"),
+    [
+        (["--disaggregation", "off"], False),  # as scripts and docs write it
+        (["--disaggregation=no"], False),
+        (["--no-disaggregation"], False),
+        (["--disaggregation", "--decode", "2"], True),
+        (["--disaggregation", "true", "--decode", "2"], True),
+    ],
+)
+def test_without_positionals_the_word_after_a_bool_flag_is_its_value(argv, on):
+    assert parse_settings(UpSettings, argv, "pdserve up", "").disaggregation is on
+
+
+@pytest.mark.parametrize(
+    "argv", [["--disaggregation", "maybe"], ["--disaggregation=maybe"], ["--no-disaggregation=1"]]
+)
+def test_a_bad_bool_value_exits_2_naming_the_flag(capsys, argv):
+    with pytest.raises(SystemExit) as raised:
+        parse_settings(UpSettings, argv, "pdserve up", "")
+    assert raised.value.code == 2
+    assert "disaggregation" in capsys.readouterr().err
