@@ -1,7 +1,8 @@
 """`pdserve up`: Redis, a kvstore, prefill and decode workers and the gateway on this machine.
 
-Workers load their models in parallel, each pinned to its own slice of the CPUs (DESIGN,
-"Deployment"); the gateway starts once they are registered, so its first request has
+Workers load their models in parallel, each pinned to the cores ``--cpu-layout`` gives it
+(``engine_cpus``; by default the decode workers split all the cores and each prefill worker
+takes one of them); the gateway starts once they are registered, so its first request has
 somewhere to go. A child that exits is restarted with backoff (``pdserve.local.supervisor``)
 while the others go on serving; Ctrl-C stops everything in order: gateway, workers,
 kvstore, Redis.
@@ -30,7 +31,7 @@ from pdserve.controlplane.registry import Keys, redis_errors
 from pdserve.core.model import default_model_dir, is_default_model, is_prepared, locate_model
 from pdserve.local.cluster_state import new_state, remove_state, write_state
 from pdserve.local.launcher import Child, Launcher, StartFailed, cpu_slices
-from pdserve.local.supervisor import GaveUp, Supervisor
+from pdserve.local.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.runtime.logs import configure_logging
 from pdserve.runtime.trust_files import read_trust_files
 from pdserve.settings.commands import UpSettings, known_env
@@ -66,10 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv,
         prog="pdserve up",
         description="Start Redis (unless --redis-url), a kvstore, --prefill prefill and "
-        "--decode decode workers (loading their models in parallel, each pinned to its own "
-        "CPU cores) and then the gateway; print its addresses and wait. A child that exits is "
-        "restarted with backoff (1, 2, 4 ... 30 s; the 5th crash in a row of one child, none "
-        "lasting a minute, stops the cluster). Ctrl-C stops it all: "
+        "--decode decode workers (loading their models in parallel, on the cores --cpu-layout "
+        "gives each) and then the gateway; print its addresses and wait. "
+        f"{RestartPolicy().describe()} Ctrl-C stops it all: "
         "the gateway first, then the workers, the kvstore and Redis. The engine flags go to "
         "every worker; logs go to --log-dir. The services require an internal token: the "
         "one given, else a random one made for this cluster.",

@@ -194,7 +194,8 @@ class BlockStore:
 
 
 def layout_to_text(layout: BlockLayout) -> str:
-    """``version=1,model_fingerprint=HEX,...``: the form ``--block-layout`` reads."""
+    """Every field as ``NAME=VALUE``, comma-separated (``version=...,model_fingerprint=HEX,...``):
+    the form ``--block-layout`` reads."""
     return ",".join(
         f"{f.name}={_field_text(getattr(layout, f.name))}" for f in dataclasses.fields(layout)
     )

@@ -1,11 +1,13 @@
 """Keeps `pdserve up`'s children running: a child that exits is started again, with backoff.
 
-The n-th crash in a row of one child waits ``min(1 s * 2**(n-1), 30 s)`` before the restart
-(1, 2, 4, 8, 16, 30, 30 ... s); a child that has been ready for a minute starts its count
-over. A child that crashes 5 times in a row (none of its runs lasting that minute; failing
-to become ready within the startup timeout counts as a crash) is failing for a reason a
-restart will not fix: the supervisor then gives up, and `pdserve up` stops everything. The
-other children go on serving meanwhile; a restarted worker rejoins through the registry.
+The n-th crash in a row of one child waits ``min(1 s * 2**(n-1), 30 s)`` before the restart;
+a child that has been ready for a minute starts its count over. A child that crashes 5 times
+in a row (none of its runs lasting that minute; failing to become ready within the startup
+timeout counts as a crash) is failing for a reason a restart will not fix: the supervisor
+then gives up, and `pdserve up` stops everything. So a child is restarted after 1, 2, 4 and
+8 s, and its 5th crash in a row stops the cluster (``RestartPolicy.describe``); the 30 s cap
+is for policies that allow more crashes. The other children go on serving meanwhile; a
+restarted worker rejoins through the registry.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ class RestartPolicy:
     def delay(self, crashes: int) -> float:
         """Seconds before the restart that follows the ``crashes``-th crash in a row."""
         return min(self.first_delay_s * 2 ** (crashes - 1), self.max_delay_s)
+
+    def describe(self) -> str:
+        """What happens to a child that keeps exiting, in a sentence (for --help)."""
+        waits = [f"{self.delay(n):g}" for n in range(1, self.max_crashes)]
+        return (
+            f"A child that exits is restarted after {', '.join(waits[:-1])} and {waits[-1]} s "
+            f"as it keeps crashing (a run ready for {self.healthy_after_s:g} s starts the count "
+            f"over); {self.max_crashes} crashes in a row stop the cluster."
+        )
 
 
 class GaveUp(RuntimeError):

@@ -50,10 +50,10 @@ class UpSettings:
     )
     cpu_layout: str = setting(
         "decode-first",
-        "how the workers share this machine's cores: decode-first (decode workers all "
-        "cores, each prefill worker one of them), split (each worker its own cores) or "
-        "shared (every worker all cores); workers that share cores keep their idle OpenMP "
-        "threads from spinning",
+        "how the workers share this machine's cores: decode-first (the decode workers split "
+        "all the cores among them, and each prefill worker also takes one of those cores, "
+        "the last first), split (each worker its own cores) or shared (every worker all the "
+        "cores); workers that share cores keep their idle OpenMP threads from spinning",
         choices=("split", "shared", "decode-first"),
     )
     log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")

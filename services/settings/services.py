@@ -141,7 +141,8 @@ class KVStoreSettings:
     block_layout: str | None = setting(
         None,
         "the only block layout this kvstore stores, written as its log prints the layout of "
-        "a first put (version=1,model_fingerprint=HEX,dtype=...); default: the first put's",
+        "a first put: every field as NAME=VALUE (version=...,model_fingerprint=HEX,"
+        "dtype=...,...); default: the first put's",
     )
     block_lease: float = setting(
         60.0,

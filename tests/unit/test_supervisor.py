@@ -49,6 +49,13 @@ def test_backoff_doubles_from_one_second_up_to_thirty():
     assert policy.max_crashes == 5 and policy.healthy_after_s == 60
 
 
+def test_the_help_names_only_the_waits_a_child_reaches():
+    """The 5th crash in a row stops the cluster: the 16 and 30 s waits never come."""
+    text = RestartPolicy().describe()
+    assert "restarted after 1, 2, 4 and 8 s" in text
+    assert "5 crashes in a row stop the cluster" in text
+
+
 def test_a_child_that_dies_is_restarted_after_its_backoff(launcher):
     child = launcher.start_ready("svc", py(SERVE), ["svc"], timeout=30)
     exits = []
