@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import httpx
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+
+def families(text: str) -> dict[str, Metric]:
+    """{family name: family (its type and samples)} of a Prometheus text exposition; a
+    counter's family is named without ``_total``."""
+    return {family.name: family for family in text_string_to_metric_families(text)}
 
 
 def samples(text: str) -> list[Sample]:
