@@ -1,11 +1,9 @@
-"""Shared fixtures: real checkpoints (the prepared SmolLM2, tiny random Llama/Qwen2) and HF references."""
+"""The test session's environment, set before anything imports torch or triton, and the
+plugin that holds every shared fixture (tests/helpers/fixtures.py)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
-import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,36 +27,4 @@ if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    """The default model, converted once into $PDSERVE_HOME (or ~/.cache/pdserve)."""
-    from pdserve.engine.prepare_model import prepare_default_model
-
-    return prepare_default_model(progress=False)
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_path(tmp_path_factory) -> Path:
-    from pdserve.testing.tiny_models import build_tiny_checkpoint
-
-    return build_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_path(tmp_path_factory) -> Path:
-    from pdserve.testing.tiny_models import build_tiny_checkpoint
-
-    return build_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-@pytest.fixture(scope="session")
-def tiny_chat_llama_path(tiny_llama_path, tmp_path_factory) -> Path:
-    """The tiny Llama with a minimal chat template (its tokenizer has none), named `tiny`."""
-    import shutil
-
-    model = tmp_path_factory.mktemp("tiny-chat") / "tiny"
-    shutil.copytree(tiny_llama_path, model)
-    (model / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    )
-    return model
+pytest_plugins = ["tests.helpers.fixtures"]
