@@ -18,9 +18,9 @@ from pdserve.settings.services import (
     KVStoreSettings,
     PrefillSettings,
 )
-from tests.chart_pods import expand
-from tests.helm_chart import CHART, CI_VALUES, component, helm, of_kind, render, template
-from tests.k8s_validate import validate
+from tests.helpers.chart_pods import expand
+from tests.helpers.helm_chart import CHART, CI_VALUES, component, helm, of_kind, render, template
+from tests.helpers.k8s_validate import validate
 
 VALUE_SETS = [None, *CI_VALUES]
 SET_IDS = ["default", *(f.name.removesuffix("-values.yaml") for f in CI_VALUES)]

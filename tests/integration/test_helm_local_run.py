@@ -1,5 +1,5 @@
-"""The chart runs: what it renders, started as local processes (tests/chart_pods.py), serves a
-chat through the gateway Service, and `pdserve status` (as NOTES.txt runs it, inside the
+"""The chart runs: what it renders, started as local processes (tests/helpers/chart_pods.py),
+serves a chat through the gateway Service, and `pdserve status` (as NOTES.txt runs it, inside the
 gateway's pod) lists every pool. Only the values a user would set differ from the defaults:
 the model (the tiny random Llama on a hostPath), its engine settings, and
 `decode.replicas=2`."""
@@ -13,10 +13,10 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.chart_pods import LocalCluster
-from tests.helm_chart import render
+from pdserve.testing.metrics import metric
+from tests.helpers.chart_pods import LocalCluster
+from tests.helpers.helm_chart import render
 
 START_S = 120.0
 WAIT_S = 30.0
@@ -109,17 +109,6 @@ async def chats(base: str, api_key: str, n: int) -> list[httpx.Response]:
         )
 
 
-def gateway_metric(base: str, name: str, **labels: str) -> float:
-    """The sum of the gateway's ``name`` samples whose labels include ``labels``."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
-
-
 def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
     pods = {p.component: [] for p in cluster.pods}
     for p in cluster.pods:
@@ -149,7 +138,7 @@ def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert isinstance(answer["choices"][0]["message"]["content"], str)
     # Disaggregated: prefilled by the prefill pool, its KV through the kvstore.
-    assert gateway_metric(base, "pdserve:prefill_requests_total", where="remote") >= 1
+    assert metric(base, "pdserve:prefill_requests_total", where="remote") >= 1
 
     # Both decode replicas serve: requests in flight together spread over the pool.
     replies = asyncio.run(chats(base, api_key, 8))

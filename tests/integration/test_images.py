@@ -18,9 +18,8 @@ import tomllib
 
 import pytest
 
-from pdserve.local.launcher import Launcher
-from tests.helm_chart import CHART, of_kind, render
-from tests.integration.test_torch_free_start import imported_modules
+from tests.helpers.helm_chart import CHART, of_kind, render
+from tests.helpers.import_trace import LIGHT_SERVICES, imported_modules
 
 ROOT = CHART.parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -132,24 +131,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.fixture
-def launcher(tmp_path):
-    launcher = Launcher(tmp_path, cwd=ROOT)
-    yield launcher
-    launcher.stop_all()
-
-
-@pytest.mark.parametrize(
-    ("command", "args", "expect"),
-    [
-        ("kvstore", ["--capacity-bytes", "8MiB"], ["kvstore"]),
-        (
-            "gateway",
-            ["--decode", "127.0.0.1:1", "--disaggregation", "off", "--http-port", "0"],
-            ["gateway", "gateway-http"],
-        ),
-    ],
-)
+@pytest.mark.parametrize(("command", "args", "expect"), LIGHT_SERVICES)
 def test_slim_services_serve_without_the_engine_packages(
     launcher, tiny_chat_llama_path, command, args, expect
 ):

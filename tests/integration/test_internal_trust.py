@@ -32,12 +32,14 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.tls_certs import make_cluster_certs
+from tests.helpers.clusters import running, start_disaggregated
+from tests.helpers.flags import engine_flags
+from tests.helpers.tls_certs import make_cluster_certs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 TOKEN = "an-internal-token-for-tests-0123456789"
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "128"]
+ENGINE = engine_flags(num_kv_blocks=128)
 LAYOUT = BlockLayout(LAYOUT_VERSION, b"\x01" * 16, "float32", 16, 2, 2, 16)
 
 
@@ -140,24 +142,12 @@ async def test_the_token_guards_every_kind_of_call_but_health():
 
 @pytest.fixture(scope="module")
 def token_cluster(tiny_chat_llama_path, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PDSERVE_INTERNAL_TOKEN", TOKEN)  # the children read it; argv never holds it
-    c = Cluster(tmp_path_factory.mktemp("token-logs"))
-    mp.undo()
-    model = ["--model", str(tiny_chat_llama_path), *ENGINE]
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
-        pre, dec = c.start_many(
-            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model),
-            ("decode", "pdserve.decode", "--kvstore", kv.address, *model),
+    env = {"PDSERVE_INTERNAL_TOKEN": TOKEN}  # the children read it; argv never holds it
+    with running(tmp_path_factory.mktemp("token-logs")) as c:
+        start_disaggregated(
+            c, tiny_chat_llama_path, engine=ENGINE, gateway=["--http-port", "-1"], env=env
         )
-        c.start(
-            "gateway", "pdserve.gateway", "--prefill", pre.address, "--decode", dec.address,
-            "--model", str(tiny_chat_llama_path), "--http-port", "-1",
-        )  # fmt: skip
         yield c
-    finally:
-        c.stop_all()
     assert TOKEN not in " ".join(" ".join(s.argv) for s in c.services)
     for svc in c.services:
         assert TOKEN not in svc.log_text(), svc.name
@@ -249,23 +239,13 @@ def tls_cluster(tiny_chat_llama_path, tmp_path_factory, certs):
     tls += ["--tls-ca", str(certs.ca.cert)]
     internal = [*tls, "--tls-client-ca", str(certs.ca.cert)]
     internal += ["--internal-token-file", str(token_file)]
-    c = Cluster(tmp_path_factory.mktemp("tls-logs"))
-    model = ["--model", str(tiny_chat_llama_path), *ENGINE]
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB", *internal)
-        pre, dec = c.start_many(
-            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model, *internal),
-            ("decode", "pdserve.decode", "--kvstore", kv.address, *model, *internal),
+    # The public front serves TLS; its clients need no certificate of their own.
+    gateway = ["--http-port", "-1", *tls, "--internal-token-file", str(token_file)]
+    with running(tmp_path_factory.mktemp("tls-logs")) as c:
+        start_disaggregated(
+            c, tiny_chat_llama_path, engine=ENGINE, internal=internal, gateway=gateway
         )
-        # The public front serves TLS; its clients need no certificate of their own.
-        c.start(
-            "gateway", "pdserve.gateway", "--prefill", pre.address, "--decode", dec.address,
-            "--model", str(tiny_chat_llama_path), "--http-port", "-1", *tls,
-            "--internal-token-file", str(token_file),
-        )  # fmt: skip
         yield c
-    finally:
-        c.stop_all()
     assert not c.unhandled_errors()
 
 

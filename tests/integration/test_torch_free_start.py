@@ -6,46 +6,15 @@ from __future__ import annotations
 
 import signal
 import sys
-from pathlib import Path
 
 import pytest
 
-from pdserve.local.launcher import Launcher
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.import_trace import LIGHT_SERVICES, imported_modules
 
 HEAVY = ("torch", "transformers", "triton")
 
 
-def imported_modules(log: str) -> set[str]:
-    """Module names from ``-X importtime`` lines: "import time: self | cumulative | name"."""
-    names = set()
-    for line in log.splitlines():
-        if line.startswith("import time:") and "|" in line:
-            name = line.rsplit("|", 1)[1].strip()
-            if name != "imported package":
-                names.add(name)
-    return names
-
-
-@pytest.fixture
-def launcher(tmp_path):
-    launcher = Launcher(tmp_path, cwd=ROOT)
-    yield launcher
-    launcher.stop_all()
-
-
-@pytest.mark.parametrize(
-    ("service", "args", "expect"),
-    [
-        ("kvstore", ["--capacity-bytes", "8MiB"], ["kvstore"]),
-        (
-            "gateway",
-            ["--decode", "127.0.0.1:1", "--disaggregation", "off", "--http-port", "0"],
-            ["gateway", "gateway-http"],
-        ),
-    ],
-)
+@pytest.mark.parametrize(("service", "args", "expect"), LIGHT_SERVICES)
 def test_service_starts_and_serves_without_torch(
     launcher, tiny_chat_llama_path, service, args, expect
 ):

