@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pdserve.loadgen.cli import main as bench_main
-from pdserve.testing.cluster import Cluster
+from tests.helpers.clusters import running, start_hf_server
 
 MODEL_NAME = "tiny"
 
@@ -16,19 +16,9 @@ MODEL_NAME = "tiny"
 @pytest.fixture(scope="module")
 def hf_server(tiny_chat_llama_path, tmp_path_factory):
     model = tiny_chat_llama_path
-    c = Cluster(tmp_path_factory.mktemp("bench-baseline"))
-    try:
-        server = c.start(
-            "hf-server",
-            "bench.serving.hf_server",
-            "--model",
-            str(model),
-            *("--num-threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "20"),
-            timeout=60,
-        )
+    with running(tmp_path_factory.mktemp("bench-baseline")) as c:
+        server = start_hf_server(c, model, batch_wait_ms=20)
         yield f"http://{server.address}", model
-    finally:
-        c.stop_all()
 
 
 def test_bench_serve_measures_the_baseline(hf_server, tmp_path):

@@ -9,9 +9,8 @@ import httpx
 import pytest
 
 from pdserve.loadgen.cli import main as bench_main
-from pdserve.testing.cluster import Cluster
+from tests.helpers.clusters import rest_address, running, start_colocated
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MODEL_NAME = "tiny"
 OUTPUT_LEN = 8
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -24,25 +23,10 @@ def chat_model(tiny_chat_llama_path):
 
 @pytest.fixture(scope="module")
 def base_url(chat_model, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("bench-logs"))
-    model = ["--model", str(chat_model)]
-    try:
-        dec = c.start("decode", "pdserve.decode", *model, *ENGINE)
-        gw = c.start(
-            "gateway",
-            "pdserve.gateway",
-            "--decode",
-            dec.address,
-            "--disaggregation",
-            "off",
-            "--served-model-name",
-            MODEL_NAME,
-            *model,
-        )
-        yield f"http://{gw.addresses['gateway-http']}"
+    with running(tmp_path_factory.mktemp("bench-logs")) as c:
+        start_colocated(c, chat_model, gateway=["--served-model-name", MODEL_NAME])
+        yield f"http://{rest_address(c)}"
         assert not c.unhandled_errors()
-    finally:
-        c.stop_all()
 
 
 def bench(base_url, chat_model, tmp_path, *flags, command="serve", model=MODEL_NAME):

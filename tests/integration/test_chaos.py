@@ -26,7 +26,7 @@ from pdserve.testing.chaos import (
     reference_tokens,
     routes,
 )
-from tests.integration.test_migration import metric
+from pdserve.testing.metrics import metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
+from pdserve.testing.cluster import decode_idle, decode_stat
+from tests.helpers.clusters import running
+from tests.helpers.flags import engine_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,13 +50,10 @@ for i, _ in enumerate(decode_pb2_grpc.DecodeStub(channel).Decode(request, timeou
 
 @pytest.fixture(scope="module")
 def decode(smollm2_path, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("decode-cancel-logs"))
-    try:
-        model = ["--model", str(smollm2_path), "--dtype", "float32", "--max-model-len", "4096"]
-        blocks = ["--num-kv-blocks", str(NUM_KV_BLOCKS)]
-        yield c, c.start("decode", "pdserve.decode", *model, *blocks, env=KEEPALIVE_ENV)
-    finally:
-        c.stop_all()
+    engine = engine_flags(num_kv_blocks=NUM_KV_BLOCKS, max_model_len=4096)
+    with running(tmp_path_factory.mktemp("decode-cancel-logs")) as c:
+        model = ["--model", str(smollm2_path), *engine]
+        yield c, c.start("decode", "pdserve.decode", *model, env=KEEPALIVE_ENV)
 
 
 @pytest.mark.parametrize(

@@ -11,23 +11,20 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.runtime.rpc import aio_channel
-from pdserve.testing.cluster import Cluster
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tests.helpers.clusters import running, start_kvstore
+from tests.helpers.flags import ENGINE, engine_flags
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("e2e-logs"))
     model = ["--model", str(tiny_llama_path)]
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
-        known = ["--kvstore", kv.address]
-        # decode-bs32 has another block size and dtype: it must refuse the prefill worker's
-        # blocks.
-        odd = ["--num-kv-blocks", "256", "--block-size", "32", "--dtype", "bfloat16"]
+    # decode-bs32 has another block size and dtype: it must refuse the prefill worker's blocks.
+    odd = engine_flags(block_size=32, dtype="bfloat16")
+    with running(tmp_path_factory.mktemp("e2e-logs")) as c:
+        known = start_kvstore(c)
         pre, dec, odd = c.start_many(
             ("prefill", "pdserve.prefill", *known, *model, *ENGINE),
             ("decode", "pdserve.decode", *known, *model, *ENGINE),
@@ -41,8 +38,6 @@ def cluster(tiny_llama_path, tmp_path_factory):
              "--decode", odd.address, *model),
         )  # fmt: skip
         yield c
-    finally:
-        c.stop_all()
 
 
 def _prompts():

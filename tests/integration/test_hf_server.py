@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from pdserve.testing.cluster import Cluster
+from tests.helpers.clusters import running, start_hf_server
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
@@ -28,19 +28,9 @@ def model_dir(tiny_chat_llama_path) -> Path:
 
 @pytest.fixture(scope="module")
 def base_url(model_dir, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("hf-server-log"))
-    try:
-        server = c.start(
-            "hf-server",
-            "bench.serving.hf_server",
-            "--model",
-            str(model_dir),
-            *("--num-threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "50"),
-            timeout=60,
-        )
+    with running(tmp_path_factory.mktemp("hf-server-log")) as c:
+        server = start_hf_server(c, model_dir, batch_wait_ms=50)
         yield f"http://{server.address}/v1"
-    finally:
-        c.stop_all()
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,10 @@ import httpx
 import pytest
 
 from pdserve.testing.cluster import Cluster
+from tests.helpers.clusters import rest_address, running, start_kvstore
+from tests.helpers.flags import engine_flags
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "32"]
+ENGINE = engine_flags(num_kv_blocks=512, max_num_seqs=32)
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 NUM_HEALTHY = 16
@@ -23,31 +25,28 @@ NUM_HEALTHY = 16
 def cluster(tiny_chat_llama_path, tmp_path_factory):
     """One prefill and two decode workers; gateway ``one`` sends to the first decode worker
     only, gateway ``two`` to both, in turn."""
-    c = Cluster(tmp_path_factory.mktemp("isolation-logs"))
     model = ["--model", str(tiny_chat_llama_path)]
     gateway = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL, *model]
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
-        known = ["--kvstore", kv.address]
+    with running(tmp_path_factory.mktemp("isolation-logs")) as c:
+        known = start_kvstore(c)
         pre, d0, d1 = c.start_many(
             ("prefill", "pdserve.prefill", *known, *model, *ENGINE),
             ("decode-0", "pdserve.decode", *model, *ENGINE, *known),
             ("decode-1", "pdserve.decode", *model, *ENGINE, *known),
         )
-        one, two = c.start_many(
+        c.start_many(
             ("gateway-one", "pdserve.gateway", "--prefill", pre.address,
              "--decode", d0.address, *gateway),
             ("gateway-two", "pdserve.gateway", "--prefill", pre.address,
              "--decode", d0.address, "--decode", d1.address, "--routing", "round-robin",
              *gateway),
         )  # fmt: skip
-        c.urls = {
-            "one": f"http://{one.addresses['gateway-http']}/v1",
-            "two": f"http://{two.addresses['gateway-http']}/v1",
-        }
         yield c
-    finally:
-        c.stop_all()
+
+
+def api_url(cluster: Cluster, gateway: str) -> str:
+    """The /v1 URL of gateway ``one`` or ``two``."""
+    return f"http://{rest_address(cluster, f'gateway-{gateway}')}/v1"
 
 
 def prompt(i: int) -> list[int]:
@@ -97,7 +96,7 @@ POISONS = [
 
 @pytest.mark.parametrize("poison", POISONS, ids=["repetition-penalty", "temperature"])
 def test_a_poisonous_value_among_16_streams_fails_alone(cluster, poison):
-    url = cluster.urls["one"]
+    url = api_url(cluster, "one")
     healthy = [body(i) for i in range(NUM_HEALTHY)]
     want = asyncio.run(alone(url, healthy))
 
@@ -124,7 +123,7 @@ def test_a_poisonous_value_among_16_streams_fails_alone(cluster, poison):
 
 @pytest.mark.parametrize("gateway", ["one", "two"])
 def test_two_clients_with_one_request_id_each_get_their_own_answer(cluster, gateway):
-    url = cluster.urls[gateway]
+    url = api_url(cluster, gateway)
     # Prompts longer than a block and not block-aligned: each has a tail block in the
     # kvstore, keyed by its request's id.
     a, b = body(0, prompt=prompt(30)), body(2, prompt=prompt(41))

@@ -17,8 +17,11 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
+from pdserve.testing.metrics import metric
+from tests.helpers.clusters import start_kvstore
+from tests.helpers.flags import engine_flags
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "16"]
+ENGINE = engine_flags(num_kv_blocks=512, max_num_seqs=16)
 MODEL = "tiny"
 IDLE_S = 2.0
 NUM_STREAMS = 8
@@ -29,8 +32,7 @@ def start_cluster(model_path, log_dir, disaggregated: bool, decode0_env=None) ->
     c = Cluster(log_dir)
     model = ["--model", str(model_path)]
     try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
-        known = ["--kvstore", kv.address]
+        known = start_kvstore(c)
         workers = c.start_many(
             ("decode-0", "pdserve.decode", *model, *ENGINE, *known, decode0_env or {}),
             ("decode-1", "pdserve.decode", *model, *ENGINE, *known),
@@ -161,17 +163,6 @@ async def run_all(url: str, fault=None):
 async def in_flight(address: str) -> int:
     stat = await decode_stat(address)
     return stat.num_running + stat.num_waiting
-
-
-def metric(url: str, name: str, **labels) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def routable(url: str, within_s: float = 15.0) -> None:

@@ -11,63 +11,33 @@ import openai
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.runtime.rpc import aio_channel
-from pdserve.testing.cluster import Cluster
-from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.testing.cluster import decode_stat
+from tests.helpers.clusters import rest_address, running, start_disaggregated
+from tests.helpers.openai_errors import openai_error
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MAX_MODEL_LEN = 256
 MODEL_NAME = "tiny"
 PROMPT_IDS = [11, 57, 203, 9, 140, 33, 77, 5, 300, 41]
+GATEWAY = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL_NAME]
 
 
 @pytest.fixture(scope="module")
-def chat_model(tiny_chat_llama_path):
-    return tiny_chat_llama_path
-
-
-@pytest.fixture(scope="module")
-def cluster(chat_model, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("openai-logs"))
-    model = ["--model", str(chat_model)]
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
-        pre, dec = c.start_many(
-            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model, *ENGINE),
-            ("decode", "pdserve.decode", "--kvstore", kv.address, *model, *ENGINE),
-        )
-        gw = c.start(
-            "gateway",
-            "pdserve.gateway",
-            "--prefill",
-            pre.address,
-            "--decode",
-            dec.address,
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--served-model-name",
-            MODEL_NAME,
-            *model,
-        )
-        c.http_address = gw.addresses["gateway-http"]
+def cluster(tiny_chat_llama_path, tmp_path_factory):
+    with running(tmp_path_factory.mktemp("openai-logs")) as c:
+        start_disaggregated(c, tiny_chat_llama_path, gateway=GATEWAY)
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="x", timeout=60)
+    base_url = f"http://{rest_address(cluster)}/v1"
+    return openai.OpenAI(base_url=base_url, api_key="x", timeout=60)
 
 
 @pytest.fixture(scope="module")
 def http(cluster):
-    with httpx.Client(base_url=f"http://{cluster.http_address}", timeout=60) as h:
+    with httpx.Client(base_url=f"http://{rest_address(cluster)}", timeout=60) as h:
         yield h
-
-
-def _addr(cluster, name):
-    return next(s.address for s in cluster.services if s.name == name)
 
 
 def test_metrics_are_prometheus_text(http):
@@ -82,8 +52,8 @@ def test_models_and_health(client, http):
     assert http.get("/health").status_code == 200
 
 
-def test_greedy_completion_equals_the_engine(client, chat_model, cluster):
-    llm = LLM(model=str(chat_model), dtype="float32", num_kv_blocks=64)
+def test_greedy_completion_equals_the_engine(client, tiny_chat_llama_path, cluster):
+    llm = LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = llm.generate([PROMPT_IDS], params)[0].token_ids
     out = client.completions.create(
@@ -118,8 +88,8 @@ def test_greedy_completion_equals_the_engine(client, chat_model, cluster):
     assert cluster.unhandled_errors() == []
 
 
-def test_logprobs_equal_the_engines(client, chat_model):
-    llm = LLM(model=str(chat_model), dtype="float32", num_kv_blocks=64)
+def test_logprobs_equal_the_engines(client, tiny_chat_llama_path):
+    llm = LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     (want,) = llm.generate([PROMPT_IDS], params)
     out = client.completions.create(
@@ -246,31 +216,24 @@ def test_stop_string(client):
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def _error(response, status):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
-
-
 def test_bad_requests_get_openai_errors(http):
     def chat(**fields):
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **fields}
         return http.post("/v1/chat/completions", json=body)
 
-    bad_temperature = _error(chat(temperature=-1), 400)
+    bad_temperature = openai_error(chat(temperature=-1), 400)
     assert "temperature" in bad_temperature["message"] and bad_temperature["param"] == "temperature"
-    _error(chat(messages=[]), 400)
-    assert "top_p" in _error(chat(top_p=0), 400)["message"]
-    _error(chat(n=0), 400)
-    _error(chat(messages="hi"), 400)
-    _error(http.post("/v1/chat/completions", content=b"{not json"), 400)
+    openai_error(chat(messages=[]), 400)
+    assert "top_p" in openai_error(chat(top_p=0), 400)["message"]
+    openai_error(chat(n=0), 400)
+    openai_error(chat(messages="hi"), 400)
+    openai_error(http.post("/v1/chat/completions", content=b"{not json"), 400)
     too_long = http.post(
         "/v1/completions", json={"model": MODEL_NAME, "prompt": [5] * (MAX_MODEL_LEN + 10)}
     )
-    message = _error(too_long, 400)["message"]
+    message = openai_error(too_long, 400)["message"]
     assert str(MAX_MODEL_LEN + 10) in message and str(MAX_MODEL_LEN) in message
-    unknown = _error(chat(model="gpt-4"), 404)
+    unknown = openai_error(chat(model="gpt-4"), 404)
     assert unknown["code"] == "model_not_found" and "gpt-4" in unknown["message"]
 
 
@@ -291,13 +254,8 @@ def test_the_clients_request_id_is_echoed_and_the_gateways_own_is_used(http):
 
 
 def test_disconnect_mid_stream_cancels_the_generation(cluster, http):
-    async def decode_stat():
-        async with aio_channel(_addr(cluster, "decode")) as ch:
-            return await decode_pb2_grpc.DecodeStub(ch).Stat(
-                decode_pb2.DecodeStatRequest(), timeout=10
-            )
-
-    start = asyncio.run(decode_stat())
+    decode = cluster.address("decode")
+    start = asyncio.run(decode_stat(decode))
     body = {
         "model": MODEL_NAME,
         "prompt": PROMPT_IDS,
@@ -313,7 +271,7 @@ def test_disconnect_mid_stream_cancels_the_generation(cluster, http):
     # Leaving the block closed the connection mid-stream.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        now = asyncio.run(decode_stat())
+        now = asyncio.run(decode_stat(decode))
         if now.num_running == 0 and now.num_free_blocks == start.num_free_blocks:
             break
         time.sleep(0.1)
@@ -332,12 +290,7 @@ async def _take_events(lines, count):
 
 
 def test_20_clients_dropping_mid_stream_free_every_decode_block(cluster):
-    async def decode_stat():
-        async with aio_channel(_addr(cluster, "decode")) as ch:
-            return await decode_pb2_grpc.DecodeStub(ch).Stat(
-                decode_pb2.DecodeStatRequest(), timeout=10
-            )
-
+    decode = cluster.address("decode")
     body = {
         "model": MODEL_NAME,
         "prompt": PROMPT_IDS,
@@ -355,16 +308,16 @@ def test_20_clients_dropping_mid_stream_free_every_decode_block(cluster):
         # Leaving the block closes the connection mid-stream.
 
     async def run():
-        start = await decode_stat()
+        start = await decode_stat(decode)
         limits = httpx.Limits(max_connections=20)
-        base = f"http://{cluster.http_address}"
+        base = f"http://{rest_address(cluster)}"
         async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
             await asyncio.wait_for(
                 asyncio.gather(*(drop_after_a_few_chunks(client) for _ in range(20))), 120
             )
         deadline = time.monotonic() + 30
         while True:
-            now = await decode_stat()
+            now = await decode_stat(decode)
             settled = now.num_running == 0 and now.num_free_blocks == start.num_free_blocks
             if settled or time.monotonic() > deadline:
                 return start, now

@@ -13,38 +13,20 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from pdserve.testing.cluster import Cluster
-from tests.integration.test_openai_api import ENGINE, MODEL_NAME
+from tests.helpers.clusters import rest_address, running, start_colocated
 
+MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 48  # bounds every generation, whatever max_tokens the fuzzer picks
 EXAMPLES_PER_OPERATION = 40
 RESPONSE_TIMEOUT_S = 20.0
+GATEWAY = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL_NAME]
 
 
 @pytest.fixture(scope="module")
 def fuzz_gateway(tiny_chat_llama_path, tmp_path_factory):
-    chat_model = tiny_chat_llama_path
-    c = Cluster(tmp_path_factory.mktemp("fuzz-logs"))
-    model = ["--model", str(chat_model)]
-    try:
-        dec = c.start("decode", "pdserve.decode", *model, *ENGINE)
-        gw = c.start(
-            "gateway",
-            "pdserve.gateway",
-            "--decode",
-            dec.address,
-            "--disaggregation",
-            "off",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--served-model-name",
-            MODEL_NAME,
-            *model,
-        )
-        c.http_address = gw.addresses["gateway-http"]
+    with running(tmp_path_factory.mktemp("fuzz-logs")) as c:
+        start_colocated(c, tiny_chat_llama_path, gateway=GATEWAY)
         yield c
-    finally:
-        c.stop_all()
 
 
 def _assert_openai_error(response) -> None:
@@ -54,7 +36,7 @@ def _assert_openai_error(response) -> None:
 
 
 def test_fuzz_post_routes_from_the_openapi_schema(fuzz_gateway):
-    base = f"http://{fuzz_gateway.http_address}"
+    base = f"http://{rest_address(fuzz_gateway)}"
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [r.ok() for r in schema.include(method="POST").get_all_operations()]
     assert {op.path for op in operations} == {"/v1/chat/completions", "/v1/completions"}

@@ -17,8 +17,12 @@ from pdserve.gateway.http import HttpServer
 from pdserve.gateway.openai_api import Served, create_app
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.requests import ModelLimits
-from tests.integration.test_gateway_orchestration import FakeDecode, orchestrating, serving
-from tests.integration.test_openai_api import MAX_MODEL_LEN, MODEL_NAME, PROMPT_IDS, _error
+from tests.helpers.fake_workers import FakeDecode, orchestrating, serving
+from tests.helpers.openai_errors import openai_error
+
+MAX_MODEL_LEN = 256
+MODEL_NAME = "tiny"
+PROMPT_IDS = [11, 57, 203, 9, 140, 33, 77, 5, 300, 41]
 
 # -- cancellation, seen by a fake decode worker ---------------------------------------------
 
@@ -78,7 +82,7 @@ async def test_overload_gets_429_with_retry_after(tiny_llama_path):
             refused = await client.post("/v1/completions", json=BODY)  # the queue is full
             timed_out = await asyncio.wait_for(waiting, 5)  # waited past its deadline
         for response in (refused, timed_out):
-            _error(response, 429)
+            openai_error(response, 429)
             assert response.headers["retry-after"] == "1"
         assert "busy" in refused.json()["error"]["message"]
         assert await _stream_starts(client)
@@ -102,7 +106,7 @@ async def test_no_reachable_decode_worker_gets_503_with_retry_after(tiny_llama_p
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=20) as c:
             for stream in (False, True):
                 response = await c.post("/v1/completions", json={**BODY, "stream": stream})
-                _error(response, 503)
+                openai_error(response, 503)
                 assert response.headers["retry-after"] == "1"
         assert served.admission.num_running == 0
     finally:
@@ -113,7 +117,7 @@ async def test_no_reachable_decode_worker_gets_503_with_retry_after(tiny_llama_p
 async def test_a_body_over_the_limit_gets_413(tiny_llama_path):
     async with rest_over_fake_decode(tiny_llama_path, max_body_bytes=2048) as (client, _):
         big = {**BODY, "prompt": "a" * 4096}
-        assert _error(await client.post("/v1/completions", json=big), 413)["message"]
+        assert openai_error(await client.post("/v1/completions", json=big), 413)["message"]
 
         async def chunked():  # no Content-Length: the limit holds while reading
             for _ in range(8):
@@ -123,7 +127,7 @@ async def test_a_body_over_the_limit_gets_413(tiny_llama_path):
             "/v1/completions", content=chunked(), headers={"content-type": "application/json"}
         )
         assert "content-length" not in response.request.headers
-        _error(response, 413)
+        openai_error(response, 413)
         assert await _stream_starts(client)
 
 
@@ -133,7 +137,7 @@ async def test_api_key_guards_the_v1_routes(tiny_llama_path):
         for headers in ({}, {"authorization": "Bearer wrong"}):
             for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
                 response = await client.request(method, path, json=BODY, headers=headers)
-                assert _error(response, 401)["code"] == "invalid_api_key"
+                assert openai_error(response, 401)["code"] == "invalid_api_key"
         assert (await client.get("/health")).status_code == 200
         good = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sekret", timeout=20)
         # The fake worker streams until cancelled: read one chunk, then close.

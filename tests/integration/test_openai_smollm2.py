@@ -3,57 +3,36 @@ its decode worker speculating with n-gram lookup."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.testing.cluster import Cluster
+from pdserve.testing.metrics import samples, scrape
+from tests.helpers.clusters import rest_address, running, start_disaggregated
+from tests.helpers.flags import engine_flags
 
-ENGINE = ["--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
+# The KV cache sized in memory, not in blocks.
+ENGINE = engine_flags(num_kv_blocks=None, kv_cache_memory="256MiB", max_model_len=2048)
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_path, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("smol-logs"))
-    model = ["--model", str(smollm2_path)]
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "256MiB")
-        known = ["--kvstore", kv.address]
-        pre, dec = c.start_many(
-            ("prefill", "pdserve.prefill", *known, *model, *ENGINE),
-            (
-                "decode",
-                "pdserve.decode",
-                *known,
-                "--speculative-config",
-                SPECULATIVE,
-                *model,
-                *ENGINE,
-            ),
+    with running(tmp_path_factory.mktemp("smol-logs")) as c:
+        start_disaggregated(
+            c,
+            smollm2_path,
+            engine=ENGINE,
+            capacity="256MiB",
+            decode=["--speculative-config", SPECULATIVE],
+            gateway=["--max-model-len", "2048"],
         )
-        gw = c.start(
-            "gateway",
-            "pdserve.gateway",
-            "--prefill",
-            pre.address,
-            "--decode",
-            dec.address,
-            "--max-model-len",
-            "2048",
-            *model,
-        )
-        c.http_address = gw.addresses["gateway-http"]
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="x", timeout=120)
+    return openai.OpenAI(base_url=f"http://{rest_address(cluster)}/v1", api_key="x", timeout=120)
 
 
 CHATS = [
@@ -104,11 +83,9 @@ def test_streamed_multibyte_text_reassembles_exactly(client, cluster):
 
 
 def _spec_counters(address: str) -> dict[str, float]:
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
     return {
         s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
+        for s in samples(scrape(f"http://{address}"))
         if s.name.startswith("pdserve:spec_decode_num_")
         and s.name.endswith("_total")
         and "position" not in s.labels
@@ -130,13 +107,13 @@ def test_a_speculating_decode_worker_streams_what_the_engine_alone_gives(
         model=str(smollm2_path), dtype="float32", max_model_len=2048, kv_cache_memory="256MiB"
     )
     want = plain.chat([messages], SamplingParams(max_tokens=80, temperature=0))[0]
-    before = _spec_counters(cluster.http_address)
+    before = _spec_counters(rest_address(cluster))
     stream = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=80, temperature=0, stream=True
     )
     got = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert got == want.text
-    after = _spec_counters(cluster.http_address)
+    after = _spec_counters(rest_address(cluster))
     drafted = after["pdserve:spec_decode_num_draft_tokens_total"] - before.get(
         "pdserve:spec_decode_num_draft_tokens_total", 0
     )

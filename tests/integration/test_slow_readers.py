@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import socket
 import time
 
@@ -14,42 +13,27 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.testing.cluster import Cluster
+from pdserve.testing.metrics import value
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.helpers.clusters import rest_address, running, start_colocated
+from tests.helpers.flags import engine_flags
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "8192", "--max-num-seqs", "128"]
+ENGINE = engine_flags(num_kv_blocks=8192, max_num_seqs=128)
 MODEL = "tiny"
 SEND_TIMEOUT_S = 5.0
 NUM_STALLED = 50
 FREED_WITHIN_S = 90.0  # a deadline for the slots to come back, not a benchmark
+GATEWAY = [
+    *("--served-model-name", MODEL, "--send-timeout", str(SEND_TIMEOUT_S)),
+    *("--max-concurrent-requests", str(NUM_STALLED + 8)),
+]
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_chat_llama_path, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("slow-reader-logs"))
-    model = ["--model", str(tiny_chat_llama_path)]
-    try:
-        dec = c.start("decode", "pdserve.decode", *model, *ENGINE)
-        gw = c.start(
-            "gateway",
-            "pdserve.gateway",
-            "--decode",
-            dec.address,
-            "--disaggregation",
-            "off",
-            "--served-model-name",
-            MODEL,
-            "--send-timeout",
-            str(SEND_TIMEOUT_S),
-            "--max-concurrent-requests",
-            str(NUM_STALLED + 8),
-            *model,
-        )
-        c.http = gw.addresses["gateway-http"]
-        c.grpc = gw.address
+def cluster(tiny_chat_llama_path, tmp_path_factory):
+    with running(tmp_path_factory.mktemp("slow-reader-logs")) as c:
+        start_colocated(c, tiny_chat_llama_path, engine=ENGINE, gateway=GATEWAY)
         yield c
-    finally:
-        c.stop_all()
 
 
 # Two choices of many tokens with top logprobs: some 600 kB of events, more than the
@@ -82,45 +66,44 @@ def stalled_client(address: str) -> socket.socket:
     return sock
 
 
-def running(http: httpx.Client) -> int:
-    return _running_of(http.get("/metrics").text)
+def slots_in_use(http: httpx.Client) -> int:
+    return _slots_in_use(http.get("/metrics").text)
 
 
-def _running_of(metrics: str) -> int:
+def _slots_in_use(metrics: str) -> int:
     """The gateway's admission slots in use, from its /metrics."""
-    found = re.search(r"^pdserve:num_requests_running\{[^}]*\} (\d+)", metrics, re.M)
-    return int(found.group(1))
+    return int(value(metrics, "pdserve:num_requests_running"))
 
 
-def test_stalled_sse_readers_lose_their_slots_and_others_are_served(gateway):
-    with httpx.Client(base_url=f"http://{gateway.http}", timeout=30) as http:
-        sockets = [stalled_client(gateway.http) for _ in range(NUM_STALLED)]
+def test_stalled_sse_readers_lose_their_slots_and_others_are_served(cluster):
+    with httpx.Client(base_url=f"http://{rest_address(cluster)}", timeout=30) as http:
+        sockets = [stalled_client(rest_address(cluster)) for _ in range(NUM_STALLED)]
         try:
             deadline = time.monotonic() + 30
-            while running(http) < NUM_STALLED and time.monotonic() < deadline:
+            while slots_in_use(http) < NUM_STALLED and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert running(http) == NUM_STALLED
+            assert slots_in_use(http) == NUM_STALLED
             # Meanwhile others are answered.
             served = 0
             deadline = time.monotonic() + FREED_WITHIN_S
-            while running(http) > 0 and time.monotonic() < deadline:
+            while slots_in_use(http) > 0 and time.monotonic() < deadline:
                 body = {"model": MODEL, "prompt": [9, 10], "max_tokens": 4, "temperature": 0}
                 response = http.post("/v1/completions", json=body)
                 assert response.status_code == 200, response.text
                 served += 1
                 time.sleep(0.2)
             # The stalled clients are still connected, reading nothing; their slots are free.
-            assert running(http) == 0
+            assert slots_in_use(http) == 0
             assert served >= 1
         finally:
             for sock in sockets:
                 sock.close()
-    log = next(s for s in gateway.services if s.name == "gateway").log_text()
+    log = next(s for s in cluster.services if s.name == "gateway").log_text()
     assert log.count("the client read nothing") == NUM_STALLED
-    assert gateway.unhandled_errors() == []
+    assert cluster.unhandled_errors() == []
 
 
-def test_a_stalled_grpc_reader_loses_its_slot(gateway):
+def test_a_stalled_grpc_reader_loses_its_slot(cluster):
     request = gateway_pb2.GenerateRequest(
         prompt_token_ids=gateway_pb2.TokenIds(ids=[5, 6, 7]),
         params=common_pb2.SamplingParams(
@@ -132,22 +115,22 @@ def test_a_stalled_grpc_reader_loses_its_slot(gateway):
 
     async def scenario() -> tuple[int, int]:
         async with (
-            grpc.aio.insecure_channel(gateway.grpc, options=options) as channel,
-            httpx.AsyncClient(base_url=f"http://{gateway.http}") as http,
+            grpc.aio.insecure_channel(cluster.address("gateway"), options=options) as channel,
+            httpx.AsyncClient(base_url=f"http://{rest_address(cluster)}") as http,
         ):
             call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(request, timeout=120)
             await call.read()  # started; from here on nothing is read
-            started = await arunning(http)
+            started = await aslots_in_use(http)
             deadline = time.monotonic() + FREED_WITHIN_S
-            while (now := await arunning(http)) > 0 and time.monotonic() < deadline:
+            while (now := await aslots_in_use(http)) > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             call.cancel()
             return started, now
 
     assert asyncio.run(scenario()) == (1, 0)
-    log = next(s for s in gateway.services if s.name == "gateway").log_text()
+    log = next(s for s in cluster.services if s.name == "gateway").log_text()
     assert log.count("the client read nothing") == NUM_STALLED + 1
 
 
-async def arunning(http: httpx.AsyncClient) -> int:
-    return _running_of((await http.get("/metrics")).text)
+async def aslots_in_use(http: httpx.AsyncClient) -> int:
+    return _slots_in_use((await http.get("/metrics")).text)

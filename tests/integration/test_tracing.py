@@ -13,13 +13,14 @@ import httpx
 import pytest
 
 from pdserve.runtime.rpc import aio_channel
-from pdserve.testing.cluster import Cluster
 from pdserve.testing.otlp_collector import OtlpCollector
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.helpers.clusters import rest_address, running, start_disaggregated
+from tests.helpers.flags import engine_flags
 
 # SmolLM2 in fp32: a prompt of a few hundred tokens takes long enough to prefill that the
 # client's and the gateway's TTFT differ by network and parsing only, a few percent.
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "1024"]
+ENGINE = engine_flags(num_kv_blocks=512, max_model_len=1024)
 PROMPT = " ".join(f"Item {i}: the colour of the sky on day {i} was blue." for i in range(30))
 SPAN_WAIT_S = 30
 SERVICES = {"pdserve-gateway", "pdserve-prefill", "pdserve-kvstore", "pdserve-decode"}
@@ -53,33 +54,19 @@ def collector():
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_path, collector, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("tracing-logs"))
-    model = ["--model", str(smollm2_path)]
     traced = ["--otlp-traces-endpoint", collector.endpoint]
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export every 100 ms, not every 5 s
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "256MiB", *traced, env=env)
-        known = ["--kvstore", kv.address]
-        pre, dec = c.start_many(
-            ("prefill", "pdserve.prefill", *known, *model, *ENGINE, *traced),
-            ("decode", "pdserve.decode", *known, *model, *ENGINE, *traced),
+    with running(tmp_path_factory.mktemp("tracing-logs")) as c:
+        start_disaggregated(
+            c,
+            smollm2_path,
+            engine=ENGINE,
+            capacity="256MiB",
+            internal=traced,
+            gateway=traced,
             env=env,
         )
-        gw = c.start(
-            "gateway",
-            "pdserve.gateway",
-            "--prefill",
-            pre.address,
-            "--decode",
-            dec.address,
-            *model,
-            *traced,
-            env=env,
-        )
-        c.http_address = gw.addresses["gateway-http"]
         yield c
-    finally:
-        c.stop_all()
 
 
 def _chat(http: httpx.Client, model: str, content: str, headers=None) -> tuple[dict, float, str]:
@@ -128,7 +115,7 @@ def _complete(trace_id, names=EACH_SERVICE):
 
 @pytest.fixture(scope="module")
 def http(cluster):
-    with httpx.Client(base_url=f"http://{cluster.http_address}", timeout=120) as h:
+    with httpx.Client(base_url=f"http://{rest_address(cluster)}", timeout=120) as h:
         yield h
 
 

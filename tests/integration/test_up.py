@@ -17,8 +17,11 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.testing.metrics import metric
+from tests.helpers.flags import engine_flags
+
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
+ENGINE = engine_flags(num_kv_blocks=64, max_model_len=256)
 
 
 def _start_up(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -156,8 +159,7 @@ def test_up_stops_everything_when_a_worker_fails_to_start(tiny_chat_llama_path, 
     # One KV block cannot hold a 256-token sequence: the workers refuse to start.
     proc = _start_up(
         "--port", "0", "--http-port", "0", "--model", str(tiny_chat_llama_path),
-        "--log-dir", str(tmp_path), "--dtype", "float32", "--num-kv-blocks", "1",
-        "--max-model-len", "256",
+        "--log-dir", str(tmp_path), *engine_flags(num_kv_blocks=1, max_model_len=256),
     )  # fmt: skip
     pids: set[int] = set()
     deadline = time.monotonic() + 60
@@ -283,8 +285,8 @@ def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp
         reader.join(120)
         assert streamed["status"] == 200
         assert streamed["tokens"] == want["choices"][0]["token_ids"]
-        metrics = httpx.get(rest.removesuffix("/v1") + "/metrics", timeout=10).text
-        assert re.search(r'stream_migrations_total\{[^}]*reason="unavailable"[^}]*\} 1\b', metrics)
+        gateway = rest.removesuffix("/v1")
+        assert metric(gateway, "pdserve:stream_migrations_total", reason="unavailable") == 1
 
         # The old entry is gone at once (up removes it), the new worker registered itself.
         deadline = time.monotonic() + 30

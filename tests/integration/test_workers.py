@@ -11,7 +11,6 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.runtime.rpc import aio_channel
-from pdserve.testing.cluster import Cluster
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -21,24 +20,22 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from tests.helpers.clusters import running, start_kvstore
+from tests.helpers.flags import ENGINE
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("logs"))
-    try:
-        kv = c.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB")
+    with running(tmp_path_factory.mktemp("logs")) as c:
+        known = start_kvstore(c)
         model = ["--model", str(tiny_llama_path), *ENGINE]
         c.start_many(
-            ("prefill", "pdserve.prefill", "--kvstore", kv.address, *model),
-            ("decode", "pdserve.decode", "--kvstore", kv.address, *model),
+            ("prefill", "pdserve.prefill", *known, *model),
+            ("decode", "pdserve.decode", *known, *model),
         )
         yield c
-    finally:
-        c.stop_all()
 
 
 def _prompts():
