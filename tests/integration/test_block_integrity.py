@@ -5,27 +5,25 @@ blocks come back, it never caches a refused block, and its Stat counts what it r
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-import grpc
 import pytest
 
-from pdserve.engine import LLM, SamplingParams
 from pdserve.kv.blocks import block_checksum
 from pdserve.kv.convert import layout_to_proto
 from pdserve.local.launcher import free_port
-from pdserve.runtime.rpc import aio_channel
-from pdserve.testing.cluster import Cluster, decode_idle
+from pdserve.testing.cluster import decode_idle
 from pdserve.testing.reference import hf_greedy_tokens
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2
+from tests.helpers.clusters import running
+from tests.helpers.flags import engine_flags
+from tests.helpers.kv_blocks import decode_call, exported_blocks, fake_kvstore
 
 pytestmark = pytest.mark.timeout(300)
 
 MAX_NEW = 12
 PROMPT_LEN = 50  # 3 full blocks of 16 and a tail of 2
-TIMEOUT = 60.0
 
 
 def flipped(block: common_pb2.Block) -> None:
@@ -62,37 +60,6 @@ SPOIL: dict[str, tuple[Callable[[common_pb2.Block], None], str]] = {
 WHICH = {"second": ([1], 1), "tail": ([3], 3), "all": ([0, 1, 2, 3], 0)}
 
 
-class FakeKVStore(kvstore_pb2_grpc.KVStoreServicer):
-    """GetBlocks of the Block messages it was given, as they are."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[bytes, common_pb2.Block] = {}
-        self.asked: list[bytes] = []
-
-    async def GetBlocks(
-        self, request: kvstore_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kvstore_pb2.GetBlocksResponse]:
-        self.asked.extend(request.keys)
-        yield kvstore_pb2.GetBlocksResponse(
-            blocks=[self.blocks[k] for k in request.keys if k in self.blocks],
-            missing=[k for k in request.keys if k not in self.blocks],
-        )
-
-
-@contextlib.asynccontextmanager
-async def fake_kvstore(address: str) -> AsyncIterator[tuple[FakeKVStore, str]]:
-    """The fake kvstore on ``address``: the one the decode worker was told it may fetch from."""
-    servicer = FakeKVStore()
-    server = grpc.aio.server()
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
-    port = server.add_insecure_port(address)
-    await server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
-
-
 def prompts() -> dict[tuple[str, str], list[int]]:
     """A prompt of its own per case, so that no case finds another's blocks cached."""
     rng = random.Random(14)
@@ -112,60 +79,22 @@ def references(tiny_llama_path) -> dict[tuple[str, str], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def prefill(tiny_llama_path) -> LLM:
-    return LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=64)
-
-
-@pytest.fixture(scope="module")
 def decode(tiny_llama_path, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("integrity-logs"))
-    try:
-        model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
+    model = ["--model", str(tiny_llama_path), *engine_flags(num_kv_blocks=64)]
+    with running(tmp_path_factory.mktemp("integrity-logs")) as c:
         c.kvstore_address = f"127.0.0.1:{free_port()}"
         yield c, c.start("decode", "pdserve.decode", *model, "--kvstore", c.kvstore_address)
-    finally:
-        c.stop_all()
-
-
-def exported_blocks(llm: LLM, prompt: list[int], rid: str) -> tuple[int, list[common_pb2.Block]]:
-    """The first token and the Block messages a prefill worker would have put."""
-    eng = llm.engine
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    seq = eng.add_request(prompt, params, rid, prefill_only=True)
-    while eng.has_unfinished():
-        eng.step()
-    layout = layout_to_proto(eng.block_layout())
-    blocks = [
-        common_pb2.Block(
-            key=b.key,
-            data=bytes(b.data),
-            num_tokens=b.num_tokens,
-            layout=layout,
-            checksum=block_checksum(b.key, b.num_tokens, b.data),
-        )
-        for b in eng.export_prompt_blocks(rid)
-    ]
-    return seq.output_token_ids[0], blocks
-
-
-async def decode_call(address: str, request: decode_pb2.DecodeRequest) -> tuple[list[int], object]:
-    async with aio_channel(address) as channel:
-        tokens, last = [], None
-        async for out in decode_pb2_grpc.DecodeStub(channel).Decode(request, timeout=TIMEOUT):
-            tokens.extend(out.token_ids)
-            last = out
-        return tokens, last
 
 
 @pytest.mark.parametrize("which", list(WHICH))
 @pytest.mark.parametrize("spoil", list(SPOIL))
 async def test_damaged_blocks_are_recomputed_exactly_and_counted(
-    decode, prefill, references, spoil, which
+    decode, prefill_engine, references, spoil, which
 ):
     cluster, worker = decode
     prompt, want = PROMPTS[spoil, which], references[spoil, which]
     rid = f"{spoil}-{which}"
-    first, blocks = exported_blocks(prefill, prompt, rid)
+    first, blocks = exported_blocks(prefill_engine, prompt, rid, MAX_NEW)
     assert first == want[0]
     damage, why = SPOIL[spoil]
     spoiled, num_imported = WHICH[which]
@@ -182,7 +111,7 @@ async def test_damaged_blocks_are_recomputed_exactly_and_counted(
             first_token_id=first,
             block_keys=[b.key for b in blocks],
             kvstore_address=address,
-            layout=layout_to_proto(prefill.engine.block_layout()),
+            layout=layout_to_proto(prefill_engine.engine.block_layout()),
         )
         tokens, last = await decode_call(worker.address, request)
         assert kvstore.asked == [b.key for b in blocks]

@@ -15,7 +15,9 @@ from pdserve.runtime.rpc import aio_channel
 from pdserve.testing.cluster import Cluster, decode_idle
 from pdserve.testing.reference import hf_greedy
 from pdserve.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2, prefill_pb2_grpc
-from tests.integration.test_block_integrity import decode_call
+from tests.helpers.clusters import running
+from tests.helpers.flags import engine_flags
+from tests.helpers.kv_blocks import decode_call
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,9 +31,8 @@ FETCHED, ABANDONED = ([RNG.randrange(3, 512) for _ in range(PROMPT_LEN)] for _ i
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_path, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("block-lease-logs"))
-    model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
-    try:
+    model = ["--model", str(tiny_llama_path), *engine_flags(num_kv_blocks=64)]
+    with running(tmp_path_factory.mktemp("block-lease-logs")) as c:
         kvstore = c.start("kvstore", "pdserve.kvstore", "--block-lease", str(LEASE_S))
         c.prefill, c.decode = c.start_many(
             ("prefill", "pdserve.prefill", *model, "--kvstore", kvstore.address),
@@ -39,8 +40,6 @@ def cluster(tiny_llama_path, tmp_path_factory):
         )
         c.kvstore = kvstore
         yield c
-    finally:
-        c.stop_all()
 
 
 def params() -> common_pb2.SamplingParams:

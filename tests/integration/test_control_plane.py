@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 
 from pdserve.controlplane.view import RegistryView
 from pdserve.core.fingerprint import model_fingerprint
@@ -24,26 +22,14 @@ from pdserve.local.launcher import free_port
 from pdserve.local.redis_server import start_redis
 from pdserve.runtime.rpc import aio_channel
 from pdserve.testing.cluster import Cluster
+from pdserve.testing.metrics import metric, samples, scrape, value
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tests.helpers.flags import engine_flags
 
 TTL_S = 2.0
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256", "--registry-ttl", str(TTL_S)]
+ENGINE = engine_flags(registry_ttl=TTL_S)
 MAX_NEW = 8
 WAIT_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = start_redis()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.stop_all()
 
 
 def start_all(cluster: Cluster, specs: list[tuple]) -> list:
@@ -94,20 +80,13 @@ async def generate(address, prompt, rid):
         return list(out.token_ids)
 
 
-def metrics(gateway) -> dict[str, float]:
-    """The gateway's Prometheus lines as {name{labels}: value}, model and role labels dropped."""
-    text = httpx.get(f"http://{gateway.http_address}/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            key = re.sub(r'(model_name|role)="[^"]*",?', "", key).replace(",}", "}")
-            out[key.replace("{}", "")] = float(value)
-    return out
+def gateway_metric(gateway, name: str, **labels: str) -> float:
+    """The gateway's samples called ``name`` with these labels, summed."""
+    return metric(f"http://{gateway.http_address}", name, **labels)
 
 
 def pool_size(gateway, pool: str) -> int:
-    return int(metrics(gateway)[f'pdserve:pool_workers{{pool="{pool}"}}'])
+    return int(gateway_metric(gateway, "pdserve:pool_workers", pool=pool))
 
 
 async def until(predicate, timeout: float = WAIT_S, what: str = "condition") -> float:
@@ -154,9 +133,9 @@ def prompts(seed: int, n: int, length: int) -> list[list[int]]:
 
 
 async def test_decode_pool_scales_out_and_in_while_requests_flow(
-    tiny_llama_path, redis_server, cluster
+    tiny_llama_path, shared_redis_server, cluster
 ):
-    url, prefix = redis_server.url, "scale"
+    url, prefix = shared_redis_server.url, "scale"
     started = start_all(cluster, worker_specs(tiny_llama_path, url, prefix, decode=1))
     gw = start_gateway(cluster, "gateway", tiny_llama_path, url, prefix)
     view = RegistryView(url, prefix=prefix, refresh_s=0.1)
@@ -243,9 +222,9 @@ def families(seed: int, n_families=8, per_family=4, prefix_len=128, suffix_len=8
 
 
 async def test_prefix_aware_routing_hits_the_cache_more_than_round_robin(
-    tiny_llama_path, redis_server, cluster
+    tiny_llama_path, shared_redis_server, cluster
 ):
-    url, prefix = redis_server.url, "route"
+    url, prefix = shared_redis_server.url, "route"
     decoders = start_all(
         cluster, worker_specs(tiny_llama_path, url, prefix, prefill=0, decode=2, kvstore=False)
     )
@@ -279,7 +258,9 @@ async def test_prefix_aware_routing_hits_the_cache_more_than_round_robin(
         )
         rates[mode] = hits / queries
         routed = [
-            v for k, v in metrics(gw).items() if k.startswith("pdserve:routed_requests_total")
+            s.value
+            for s in samples(scrape(f"http://{gw.http_address}"))
+            if s.name == "pdserve:routed_requests_total"
         ]
         shares[mode] = max(routed) / sum(routed)
         assert sum(routed) == len(work)
@@ -305,9 +286,9 @@ async def test_prefix_aware_routing_hits_the_cache_more_than_round_robin(
 
 
 async def test_short_prompts_skip_the_prefill_pool_with_identical_output(
-    tiny_llama_path, redis_server, cluster
+    tiny_llama_path, shared_redis_server, cluster
 ):
-    url, prefix = redis_server.url, "cond"
+    url, prefix = shared_redis_server.url, "cond"
     start_all(cluster, worker_specs(tiny_llama_path, url, prefix))
     always = start_gateway(cluster, "gw-always", tiny_llama_path, url, prefix)
     cond = start_gateway(
@@ -331,17 +312,17 @@ async def test_short_prompts_skip_the_prefill_pool_with_identical_output(
         assert outs == expected[: len(short)]
         await asyncio.sleep(0.5)  # two heartbeats
         assert prefill_requests() == served_before  # no prompt reached the prefill pool
-        m = metrics(cond)
-        assert m['pdserve:prefill_requests_total{where="local"}'] == len(short)
-        assert m['pdserve:prefill_requests_total{where="remote"}'] == 0
+        m = scrape(f"http://{cond.http_address}")
+        assert value(m, "pdserve:prefill_requests_total", where="local") == len(short)
+        assert value(m, "pdserve:prefill_requests_total", where="remote") == 0
 
         outs = [await generate(cond.address, p, f"l{i}") for i, p in enumerate(long)]
         assert outs == expected[len(short) :]
-        assert metrics(cond)['pdserve:prefill_requests_total{where="remote"}'] == len(long)
+        assert gateway_metric(cond, "pdserve:prefill_requests_total", where="remote") == len(long)
         # The same prompts fully disaggregated: the same tokens.
         outs = [await generate(always.address, p, f"a{i}") for i, p in enumerate(short + long)]
         assert outs == expected
-        assert metrics(always)['pdserve:prefill_requests_total{where="local"}'] == 0
+        assert gateway_metric(always, "pdserve:prefill_requests_total", where="local") == 0
     finally:
         await view.close()
 
@@ -399,11 +380,11 @@ async def test_losing_redis_fails_no_request_and_the_registry_recovers(tiny_llam
 
 
 async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
-    tiny_llama_path, redis_server, cluster
+    tiny_llama_path, shared_redis_server, cluster
 ):
     from pdserve.kv.client import KVStoreClient
 
-    url, prefix = redis_server.url, "replicas"
+    url, prefix = shared_redis_server.url, "replicas"
     reg = ["--redis-url", url, "--redis-prefix", prefix, "--registry-ttl", str(TTL_S)]
     kv_specs = [
         (f"kvstore-{i}", "pdserve.kvstore", "--capacity-bytes", "64MiB", *reg) for i in range(2)
@@ -434,13 +415,13 @@ async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
 
 
 async def test_a_cluster_on_ipv6_addresses_serves_and_registers_dialable_addresses(
-    tiny_llama_path, redis_server, cluster
+    tiny_llama_path, shared_redis_server, cluster
 ):
     """As on an IPv6 Kubernetes cluster: every server binds an IPv6 address (the loopback
     here) and each worker advertises ``$(POD_IP):PORT`` as the chart writes it, the IPv6
     address unbracketed. The registry holds addresses a gRPC client can dial, metrics are
     scraped at theirs, and a request goes through every pool."""
-    url, prefix = redis_server.url, "ipv6"
+    url, prefix = shared_redis_server.url, "ipv6"
     specs = []
     for name, module, *args in worker_specs(tiny_llama_path, url, prefix):
         port = free_port("::1")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,12 +16,9 @@ from pdserve.core.tokenizer import Tokenizer
 from pdserve.gateway.server import main as gateway_main
 from pdserve.runtime.rpc import aio_channel
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.integration.test_gateway_orchestration import (
-    ANSWER,
-    REPO,
-    answer_workers,
-    serving,
-)
+from tests.helpers.fake_workers import ANSWER, answer_workers, serving
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -58,8 +56,8 @@ async def test_process_serves_and_stops_on_sigterm(smollm2_path):
             f"--decode={d}",
             f"--model={smollm2_path}",
             "--log-level=WARNING",
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,
         )
         try:

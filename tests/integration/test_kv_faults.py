@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from pdserve.engine import LLM
 from pdserve.kv.client import KVStoreClient
 from pdserve.kv.convert import layout_to_proto
 from pdserve.local.launcher import free_port
 from pdserve.runtime.rpc import aio_channel
 from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
+from pdserve.testing.metrics import metric
 from pdserve.testing.reference import hf_greedy, hf_greedy_tokens
 from pdserve.v1 import (
     common_pb2,
@@ -30,12 +30,9 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.integration.test_block_integrity import (
-    decode_call,
-    exported_blocks,
-    fake_kvstore,
-)
-from tests.integration.test_metrics import scrape, value
+from tests.helpers.clusters import running
+from tests.helpers.flags import engine_flags
+from tests.helpers.kv_blocks import decode_call, exported_blocks, fake_kvstore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -120,22 +117,16 @@ def references(tiny_llama_path) -> dict[tuple[str, str], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def prefill_engine(tiny_llama_path) -> LLM:
-    return LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=64)
-
-
-@pytest.fixture(scope="module")
 def cluster(tiny_llama_path, tmp_path_factory):
     """A decode worker that fetches from ``fetch_kvstore`` (or ``sound_kvstore``) within 1 s,
     and a prefill worker that pushes to ``push_kvstore`` within 1 s; no kvstore is up yet."""
-    c = Cluster(tmp_path_factory.mktemp("kv-faults-logs"))
-    model = ["--model", str(tiny_llama_path), "--dtype", "float32", "--num-kv-blocks", "64"]
-    c.fetch_kvstore = f"127.0.0.1:{free_port()}"
-    c.push_kvstore = f"127.0.0.1:{free_port()}"
-    # Never down: the worker's channel to a kvstore it found down backs off before it
-    # dials again (a fetch meanwhile fails at once and is recomputed).
-    c.sound_kvstore = f"127.0.0.1:{free_port()}"
-    try:
+    model = ["--model", str(tiny_llama_path), *engine_flags(num_kv_blocks=64)]
+    with running(tmp_path_factory.mktemp("kv-faults-logs")) as c:
+        c.fetch_kvstore = f"127.0.0.1:{free_port()}"
+        c.push_kvstore = f"127.0.0.1:{free_port()}"
+        # Never down: the worker's channel to a kvstore it found down backs off before it
+        # dials again (a fetch meanwhile fails at once and is recomputed).
+        c.sound_kvstore = f"127.0.0.1:{free_port()}"
         c.decode, c.prefill = c.start_many(
             ("decode", "pdserve.decode", *model,
              *("--kvstore", c.fetch_kvstore, "--kvstore", c.sound_kvstore),
@@ -145,15 +136,13 @@ def cluster(tiny_llama_path, tmp_path_factory):
             ready={"decode": ("decode-metrics",), "prefill": ("prefill-metrics",)},
         )  # fmt: skip
         yield c
-    finally:
-        c.stop_all()
 
 
 def transfer_failures(worker, direction: str) -> float:
     """The worker's ``pdserve:kv_transfer_failures_total{direction}``, scraped."""
     role = worker.expect[0]
-    families = scrape(f"http://{worker.addresses[role + '-metrics']}/metrics")
-    return value(families, "pdserve:kv_transfer_failures_total", direction=direction)
+    url = f"http://{worker.addresses[role + '-metrics']}"
+    return metric(url, "pdserve:kv_transfer_failures_total", direction=direction)
 
 
 def params() -> common_pb2.SamplingParams:
@@ -176,7 +165,7 @@ async def check_recomputed(cluster: Cluster, request, want: list[int], first: in
 async def test_a_failing_fetch_is_recomputed_exactly(cluster, prefill_engine, references, fault):
     prompt, want = PROMPTS["fetch", fault], references["fetch", fault]
     rid = f"fetch-{fault}"
-    first, blocks = exported_blocks(prefill_engine, prompt, rid)
+    first, blocks = exported_blocks(prefill_engine, prompt, rid, MAX_NEW)
     request = decode_pb2.DecodeRequest(
         request_id=rid,
         prompt_token_ids=prompt,
@@ -253,7 +242,7 @@ async def test_blocks_whose_push_failed_are_recomputed_the_rest_imported(
     """Replicas split the blocks and the push to one failed: its blocks' addresses are ""."""
     prompt = [random.Random("partial").randrange(3, 512) for _ in range(PROMPT_LEN)]
     (want,) = hf_greedy(tiny_llama_path, [prompt], MAX_NEW)
-    first, blocks = exported_blocks(prefill_engine, prompt, "partial")
+    first, blocks = exported_blocks(prefill_engine, prompt, "partial", MAX_NEW)
     good = cluster.sound_kvstore
     request = decode_pb2.DecodeRequest(
         request_id="partial",

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.local.redis_server import start_redis
-from pdserve.testing.cluster import Cluster
+from pdserve.testing.metrics import families, samples, scrape, value
+from tests.helpers.clusters import running
+from tests.helpers.flags import ENGINE
 
 ROOT = Path(__file__).resolve().parents[2]
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "256"]
 PREFIX = "metrics-test"
 BLOCK = 16
 MAX_TOKENS = 6
@@ -39,18 +38,10 @@ LABELLED = {"model_name", "role"}
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    server = start_redis()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_chat_llama_path, redis_server, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("metrics-logs"))
-    reg = ["--redis-url", redis_server.url, "--redis-prefix", PREFIX]
+def cluster(tiny_chat_llama_path, shared_redis_server, tmp_path_factory):
+    reg = ["--redis-url", shared_redis_server.url, "--redis-prefix", PREFIX]
     model = ["--model", str(tiny_chat_llama_path)]
-    try:
+    with running(tmp_path_factory.mktemp("metrics-logs")) as c:
         c.start(
             "kvstore",
             "pdserve.kvstore",
@@ -63,47 +54,26 @@ def cluster(tiny_chat_llama_path, redis_server, tmp_path_factory):
             c.start(role, f"services.{role}", *reg, *model, *ENGINE, ready=(f"{role}-metrics",))
         gw = c.start("gateway", "pdserve.gateway", *reg, *model, "--served-model-name", "tiny")
         c.metrics_urls = {
-            "gateway": f"http://{gw.addresses['gateway-http']}/metrics",
+            "gateway": f"http://{gw.addresses['gateway-http']}",
             **{
-                role: f"http://{c.services[i].addresses[role + '-metrics']}/metrics"
+                role: f"http://{c.services[i].addresses[role + '-metrics']}"
                 for i, role in enumerate(("kvstore", "prefill", "decode"))
             },
         }
         c.http_address = gw.addresses["gateway-http"]
-        _wait_for_pools(c.http_address)
+        _wait_for_pools(c.metrics_urls["gateway"])
         yield c
-    finally:
-        c.stop_all()
 
 
-def _wait_for_pools(http_address: str) -> None:
+def _wait_for_pools(gateway_url: str) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        families = scrape(f"http://{http_address}/metrics")
-        pools = {s.labels["pool"] for s in families["pdserve:pool_workers"].samples if s.value}
+        pool_workers = families(scrape(gateway_url))["pdserve:pool_workers"]
+        pools = {s.labels["pool"] for s in pool_workers.samples if s.value}
         if pools >= {"prefill", "decode", "kvstore"}:
             return
         time.sleep(0.1)
     raise AssertionError("the gateway did not see all three pools in 30 s")
-
-
-def scrape(url: str) -> dict:
-    """{family name: family} of one /metrics page."""
-    text = httpx.get(url, timeout=10).text
-    return {f.name: f for f in text_string_to_metric_families(text)}
-
-
-def value(families: dict, sample: str, **labels: str) -> float:
-    """The sum of the samples called ``sample`` whose labels include ``labels``."""
-    family = sample.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
-    total = 0.0
-    for f in families.values():
-        if f.name != family and not sample.startswith(f.name):
-            continue
-        for s in f.samples:
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 # (family, type) every service of a role exposes
@@ -200,11 +170,12 @@ def measured(cluster):
 
 def test_every_service_exposes_its_series_with_their_types_and_labels(measured):
     _, after, _ = measured
-    for role, families in after.items():
-        types = {(f.name, f.type) for f in families.values()}
+    for role, text in after.items():
+        exposed = families(text)
+        types = {(f.name, f.type) for f in exposed.values()}
         missing = _families_of_kind(role) - types
         assert not missing, f"{role} lacks {sorted(missing)}"
-        for f in families.values():
+        for f in exposed.values():
             if not f.name.startswith("pdserve:"):
                 continue
             for s in f.samples:
@@ -215,7 +186,7 @@ def test_every_service_exposes_its_series_with_their_types_and_labels(measured):
                     assert s.labels["model_name"] == "tiny", s
     buckets = [
         s.labels["le"]
-        for s in after["gateway"]["pdserve:time_to_first_token_seconds"].samples
+        for s in families(after["gateway"])["pdserve:time_to_first_token_seconds"].samples
         if s.name.endswith("_bucket")
     ]
     assert buckets[:4] == ["0.001", "0.005", "0.01", "0.02"] and buckets[-1] == "+Inf"  # vLLM's
@@ -276,13 +247,14 @@ def test_counters_and_histograms_move_by_what_the_requests_did(measured):
     for role, direction in (("prefill", "push"), ("decode", "fetch")):
         failures = "pdserve:kv_transfer_failures_total"
         assert value(after[role], failures, direction=direction) == 0
-        assert any(s.name == failures for s in after[role]["pdserve:kv_transfer_failures"].samples)
+        exposed = families(after[role])["pdserve:kv_transfer_failures"].samples
+        assert any(s.name == failures for s in exposed)
 
 
-def test_the_registry_and_status_show_each_metrics_address(cluster, redis_server):
+def test_the_registry_and_status_show_each_metrics_address(cluster, shared_redis_server):
     status = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "status", "--json"]
-        + ["--redis-url", redis_server.url, "--redis-prefix", PREFIX],
+        + ["--redis-url", shared_redis_server.url, "--redis-prefix", PREFIX],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -293,7 +265,7 @@ def test_the_registry_and_status_show_each_metrics_address(cluster, redis_server
     for role in ("prefill", "decode", "kvstore"):
         (worker,) = pools[role]["workers"]
         url = f"http://{worker['metrics_address']}/metrics"
-        assert url == cluster.metrics_urls[role]
+        assert url == cluster.metrics_urls[role] + "/metrics"
         assert httpx.get(url, timeout=10).status_code == 200
 
 
@@ -314,7 +286,7 @@ def dashboard_queries(path: Path) -> list[str]:
 
 def test_every_dashboard_query_refers_to_exposed_metrics(measured):
     _, after, _ = measured
-    exposed = {s.name for families in after.values() for f in families.values() for s in f.samples}
+    exposed = {s.name for text in after.values() for s in samples(text)}
     queries = dashboard_queries(DASHBOARD)
     assert len(queries) >= 20
     referred = set()

@@ -6,22 +6,12 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import pytest
-
 from pdserve.controlplane.publisher import RegistryPublisher
 from pdserve.controlplane.registry import WorkerInfo
 from pdserve.controlplane.view import RegistryView
-from pdserve.local.redis_server import start_redis
 
 TTL_S = 1.5
 WAIT_S = 10.0
-
-
-@pytest.fixture
-def redis_server():
-    server = start_redis()
-    yield server
-    server.stop()
 
 
 class FakeCache:

@@ -12,30 +12,15 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.local.redis_server import start_redis
 from pdserve.runtime.rpc import aio_channel
-from pdserve.testing.cluster import Cluster
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.helpers.flags import engine_flags
 
-ENGINE = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
+ENGINE = engine_flags(num_kv_blocks=64, max_model_len=256)
 # Far longer than the test: an entry that disappears was deregistered, not expired.
 TTL = ["--registry-ttl", "60"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture
-def redis_server():
-    server = start_redis()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.stop_all()
 
 
 def _worker(cluster, role, model, redis_server, fault, *args):
