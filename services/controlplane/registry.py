@@ -15,8 +15,8 @@ Keys, under a prefix (``pdserve`` unless ``--redis-prefix`` says otherwise):
 
 A view polls all ``P:worker:*`` keys (with their remaining TTL) every ``refresh_s`` as
 well, so a lost pub/sub message costs at most one poll. When Redis cannot be reached a
-view keeps its last known entries (DESIGN: "Redis down: the gateway keeps its last known
-registry"); a worker keeps serving and re-registers when Redis is back.
+view keeps its last known entries, so the gateway routes on while Redis is down; a worker
+keeps serving and re-registers when Redis is back (docs/faults.md, "Redis").
 """
 
 from __future__ import annotations
