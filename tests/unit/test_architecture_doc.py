@@ -5,13 +5,28 @@ exist."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
-from tests.unit.test_import_direction import GRPC_FREE, RULES, TORCH_FREE
-
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
+RULES_FILE = ROOT / "tests" / "unit" / "test_import_direction.py"
+
+
+def read_rules(path: Path = RULES_FILE) -> dict:
+    """The module-level assignments of the import rules' file (RULES, TORCH_FREE,
+    GRPC_FREE, ...), run on their own: a test module is not imported by another
+    (tests/unit/test_test_layout.py), and the rules stay written once."""
+    tree = ast.parse(path.read_text(), str(path))
+    assignments = [n for n in tree.body if isinstance(n, ast.Assign | ast.AnnAssign)]
+    names: dict = {"Path": Path, "__file__": str(path)}
+    exec(compile(ast.Module(assignments, type_ignores=[]), str(path), "exec"), names)
+    return names
+
+
+_RULES = read_rules()
+RULES: dict[str, set[str]] = _RULES["RULES"]
 LAYERS_MARK = "<!-- layers: checked by tests/unit/test_architecture_doc.py -->"
 EVERY_OTHER = "every other package"
 COLUMNS = ["package", "folder", "what it holds", "may import", "torch", "gRPC"]
@@ -57,22 +72,25 @@ def folder_of(package: str) -> str:
     return "kernels/" if name == "kernels" else f"services/{name}/"
 
 
-def layer_problems(text: str, root: Path = ROOT) -> list[str]:
-    """How the layer table differs from RULES, TORCH_FREE and GRPC_FREE, and the layout."""
+def layer_problems(text: str, rules: dict | None = None, root: Path = ROOT) -> list[str]:
+    """How the layer table differs from the rules (RULES, TORCH_FREE, GRPC_FREE; default:
+    those of RULES_FILE) and from the layout."""
+    rules = rules or _RULES
+    allowed, torch_free, grpc_free = rules["RULES"], rules["TORCH_FREE"], rules["GRPC_FREE"]
     rows = layer_rows(text)
-    problems = [f"{p}: not in the layer table" for p in sorted(set(RULES) - set(rows))]
-    problems += [f"{p}: no such package in RULES" for p in sorted(set(rows) - set(RULES))]
-    for package in sorted(set(rows) & set(RULES)):
+    problems = [f"{p}: not in the layer table" for p in sorted(set(allowed) - set(rows))]
+    problems += [f"{p}: no such package in RULES" for p in sorted(set(rows) - set(allowed))]
+    for package in sorted(set(rows) & set(allowed)):
         row = rows[package]
         (folder,) = spans(row["folder"]) or [""]
         if folder != folder_of(package) or not (root / folder).is_dir():
             problems.append(f"{package}: folder `{folder}`, but it is `{folder_of(package)}`")
-        said = allowed_in_doc(row["may import"], package, set(RULES))
-        if said != RULES[package]:
+        said = allowed_in_doc(row["may import"], package, set(allowed))
+        if said != allowed[package]:
             problems.append(
-                f"{package}: the doc allows {sorted(said)}, RULES {sorted(RULES[package])}"
+                f"{package}: the doc allows {sorted(said)}, RULES {sorted(allowed[package])}"
             )
-        for column, free in (("torch", TORCH_FREE), ("gRPC", GRPC_FREE)):
+        for column, free in (("torch", torch_free), ("gRPC", grpc_free)):
             expected = "no" if package in free else "yes"
             if row[column] != expected:
                 problems.append(f"{package}: {column} says {row[column]!r}, the rules {expected!r}")
@@ -125,3 +143,16 @@ def test_a_folder_that_is_gone_is_caught():
     listed = listed_folders(text)
     assert "bench/nosuch/" in listed
     assert [p for p in listed if not (ROOT / p).exists()] == ["bench/nosuch/"]
+
+
+def test_a_changed_rule_is_caught(tmp_path):
+    source = RULES_FILE.read_text()
+    loadgen = '"pdserve.loadgen": {"pdserve.core", "pdserve.settings"},'
+    assert loadgen in source
+    changed = tmp_path / "rules.py"
+    changed.write_text(source.replace(loadgen, loadgen.replace("}", ', "pdserve.wire"}')))
+    found = layer_problems(DOC.read_text(), read_rules(changed))
+    assert found == [
+        "pdserve.loadgen: the doc allows ['pdserve.core', 'pdserve.settings'], RULES "
+        "['pdserve.core', 'pdserve.settings', 'pdserve.wire']"
+    ]
