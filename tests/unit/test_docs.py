@@ -6,8 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers.docs_check import ROOT, Problem, check, check_all, report
 from tests.helpers.shell_commands import block_commands
 
@@ -160,7 +158,6 @@ def test_a_problem_names_its_file_and_line():
     assert str(Problem("README.md", 12, "broken")) == "README.md:12: broken"
 
 
-@pytest.mark.xfail(strict=False, reason="docs rewrite pending")
 def test_the_docs_commands_links_and_paths_hold():
     problems = check_all()
     assert not problems, report(problems)
