@@ -2,9 +2,10 @@
 that tests/conftest.py registers), the engine flags every worker runs with (``flags``), the
 shapes of cluster they serve from (``clusters``), fake workers and a fake kvstore on real
 sockets (``fake_workers``, ``kv_blocks``), the OpenAI error shape (``openai_errors``), the
-import trace of a start (``import_trace``), TLS certificates (``tls_certs``) and the Helm
+import trace of a start (``import_trace``), TLS certificates (``tls_certs``), the Helm
 chart rendered, validated and run as local processes (``helm_chart``, ``k8s_validate``,
-``chart_pods``).
+``chart_pods``), and what the docs show, checked (``docs_check``, ``shell_commands``,
+``command_checks``, ``parse_only``).
 
 What benchmarks use as well lives in ``pdserve.testing``. No test module imports another:
 tests/unit/test_test_layout.py checks it."""
