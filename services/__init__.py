@@ -14,6 +14,12 @@ first use: the gateway and the kvstore import ``pdserve.*`` without torch.
 
 from __future__ import annotations
 
+if __name__ != "pdserve":  # e.g. `python -m services.decode` from the checkout's root
+    raise ImportError(
+        f"this folder is the package `pdserve`, not `{__name__}`: import pdserve "
+        "(python -m pdserve.decode, from pdserve.engine import ...)"
+    )
+
 import sys
 from importlib.machinery import ModuleSpec
 from pathlib import Path

@@ -281,7 +281,7 @@ class ChaosCluster:
         ]
         await asyncio.to_thread(self._start_all, specs, None)
         specs = [
-            (f"{role}-{i}", f"services.{role}", *registry, *model, *self.engine)
+            (f"{role}-{i}", f"pdserve.{role}", *registry, *model, *self.engine)
             for role in ("prefill", "decode")
             for i in range(2)
         ]

@@ -51,7 +51,7 @@ def cluster(tiny_chat_llama_path, shared_redis_server, tmp_path_factory):
             ready=("kvstore-metrics",),
         )
         for role in ("prefill", "decode"):
-            c.start(role, f"services.{role}", *reg, *model, *ENGINE, ready=(f"{role}-metrics",))
+            c.start(role, f"pdserve.{role}", *reg, *model, *ENGINE, ready=(f"{role}-metrics",))
         gw = c.start("gateway", "pdserve.gateway", *reg, *model, "--served-model-name", "tiny")
         c.metrics_urls = {
             "gateway": f"http://{gw.addresses['gateway-http']}",

@@ -18,7 +18,7 @@ HEAVY = ("torch", "transformers", "triton")
 def test_service_starts_and_serves_without_torch(
     launcher, tiny_chat_llama_path, service, args, expect
 ):
-    argv = [sys.executable, "-X", "importtime", "-m", f"services.{service}", "--port", "0", *args]
+    argv = [sys.executable, "-X", "importtime", "-m", f"pdserve.{service}", "--port", "0", *args]
     if service == "gateway":
         argv += ["--model", str(tiny_chat_llama_path)]
     env = {"PDSERVE_CAPACITY_BYTE": "1MiB"}  # misspelled: PDSERVE_CAPACITY_BYTES

@@ -26,7 +26,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def _worker(cluster, role, model, redis_server, fault, *args):
     return cluster.start(
         role,
-        f"services.{role}",
+        f"pdserve.{role}",
         "--model", str(model), *ENGINE, "--redis-url", redis_server.url, "--redis-prefix", role,
         *TTL, *args,
         env={"PDSERVE_TEST_FAULT": fault},
