@@ -1,23 +1,24 @@
-"""The CPU attention backend: C kernels (``csrc/cpu_attention.c``) with the signatures of
+"""The CPU attention backend: C kernels (``csrc/cpu_attention*.c``) with the signatures of
 ``pdserve.kernels.attention_ref``.
 
 Decode attention reads each sequence's K/V from the paged cache in place (no gather) and
 the KV write skips negative slots (padding rows of a bucketed batch); prefill keeps the
 reference's gather + SDPA, with the step's index tensors and mask (``PrefillPlan``) made
 once for all layers rather than once per layer. The C code runs without the GIL (ctypes
-releases it) on torch's OpenMP threads.
+releases it) on torch's OpenMP threads, in the widest variant this CPU runs (avx512, avx2 or
+portable: ``vector_path()``); ``isa=`` runs another (the tests run each).
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from functools import cache
+from typing import Any
 
 import torch
 
 from pdserve.kernels import attention_ref
-from pdserve.kernels.cpu_build import KernelBuildError, bind, load
+from pdserve.kernels.cpu_build import KernelBuildError, bind, choose, load
 
 __all__ = [
     "available",
@@ -54,21 +55,23 @@ def paged_prefill_attention(
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
+# pdserve_kernels.h's attention functions as ctypes signatures (cpu_build.bind).
+SIGNATURES = {
+    "pd_write_kv_f32": "ppllllpplllpiiii",
+    "pd_write_kv_bf16": "ppllllpplllpiiii",
+    "pd_decode_attention_f32": "pllpplllplpiiiiifpi",
+    "pd_decode_attention_bf16": "pllpplllplpiiiiifpi",
+}
+
 
 @cache
-def _kernels() -> dict[str, object]:
-    lib = load("cpu_attention")
-    fns = {}
-    for sfx in _SUFFIX.values():
-        fns[f"write_kv_{sfx}"] = bind(lib, f"pd_write_kv_{sfx}", "ppllllpplllpiiii")
-        fns[f"decode_{sfx}"] = bind(lib, f"pd_decode_attention_{sfx}", "pllpplllplpiiiiifpi")
-    fns["vector_path"] = bind(lib, "pd_vector_path", "", ctypes.c_int)
-    return fns
+def _kernels(isa: str | None = None) -> dict[str, Any]:
+    return bind(load("attention", isa), SIGNATURES)
 
 
 def vector_path() -> str:
-    """The decode kernel's vector path on this machine: avx512, avx2 or portable."""
-    return ("portable", "avx2", "avx512")[_kernels()["vector_path"]()]
+    """The variant the kernels run in on this machine: avx512, avx2 or portable."""
+    return choose("attention") or "portable"
 
 
 @cache
@@ -105,8 +108,10 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    isa: str | None = None,
 ) -> None:
-    """As ``attention_ref.write_kv``; a negative slot (a padding row) is skipped."""
+    """As ``attention_ref.write_kv``; a negative slot (a padding row) is skipped. ``isa``:
+    the kernels' variant (default: the widest this CPU runs)."""
     n, hkv, d = key.shape
     if n == 0:
         return
@@ -117,7 +122,7 @@ def write_kv(
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key and value caches must share their strides")
     slots = slot_mapping.to(torch.int64).contiguous()
-    fn = _kernels()[f"write_kv_{_suffix(key_cache)}"]
+    fn = _kernels(isa)[f"pd_write_kv_{_suffix(key_cache)}"]
     fn(
         key.data_ptr(),
         value.data_ptr(),
@@ -144,8 +149,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
-    """As ``attention_ref.paged_decode_attention``; a sequence of length 0 gets zeros."""
+    """As ``attention_ref.paged_decode_attention``; a sequence of length 0 gets zeros.
+    ``isa``: the kernels' variant (default: the widest this CPU runs)."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -160,7 +167,7 @@ def paged_decode_attention(
     out = torch.zeros(num_seqs, num_heads, head_dim, dtype=key_cache.dtype)
     if num_seqs == 0:
         return out.to(query.dtype)
-    fn = _kernels()[f"decode_{_suffix(key_cache)}"]
+    fn = _kernels(isa)[f"pd_decode_attention_{_suffix(key_cache)}"]
     fn(
         q.data_ptr(),
         q.stride(0),

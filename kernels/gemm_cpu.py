@@ -8,28 +8,27 @@ for CPUs with AMX (``available()``) and shapes with ``K % 32 == 0 and N % 32 == 
 
 from __future__ import annotations
 
-import ctypes
 from functools import cache
+from typing import Any
 
 import torch
 
 from pdserve.kernels import packed_gemm
-from pdserve.kernels.cpu_build import KernelBuildError, bind, load
+from pdserve.kernels.cpu_build import KernelBuildError, bind, load, runs_here
+
+# pdserve_kernels.h's AMX GEMM functions as ctypes signatures (cpu_build.bind).
+SIGNATURES = {"pd_amx_init": "->i", "pd_amx_pack": "ppii", "pd_amx_linear": "ppppiiii"}
 
 
 @cache
-def _kernels() -> dict[str, object] | None:
+def _kernels() -> dict[str, Any] | None:
+    if not runs_here("amx"):
+        return None
     try:
-        lib = load("cpu_gemm")
+        kern = bind(load("gemm", "amx"), SIGNATURES)
     except KernelBuildError:
         return None
-    init = bind(lib, "pd_amx_init", "", restype=ctypes.c_int)
-    if not init():
-        return None
-    return {
-        "pack": bind(lib, "pd_amx_pack", "ppii"),
-        "linear": bind(lib, "pd_amx_linear", "ppppiiii"),
-    }
+    return kern if kern["pd_amx_init"]() else None
 
 
 def available() -> bool:
@@ -47,11 +46,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     kern = _kernels()
     if kern is None or not supports(weight):
         raise ValueError(f"no AMX packing for a {tuple(weight.shape)} {weight.dtype} weight")
-    return packed_gemm.pack(kern["pack"], weight, torch.bfloat16)
+    return packed_gemm.pack(kern["pd_amx_pack"], weight, torch.bfloat16)
 
 
 def linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """[M, K] bf16 -> [M, out_features] bf16 through an AMX-packed weight."""
-    return packed_gemm.linear(_kernels()["linear"], x, packed, bias, out_features, torch.bfloat16)
+    fn = _kernels()["pd_amx_linear"]
+    return packed_gemm.linear(fn, x, packed, bias, out_features, torch.bfloat16)

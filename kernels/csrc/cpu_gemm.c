@@ -1,5 +1,6 @@
 /* bf16 GEMM on Intel AMX for decode-sized batches: y[M, N] = x[M, K] @ W^T (+ bias).
- * Built and loaded by kernels/cpu_build.py; the torch side is kernels/gemm_cpu.py.
+ * Built and loaded by kernels/cpu_build.py; the torch side is kernels/gemm_cpu.py, the
+ * interface pdserve_kernels.h.
  *
  * At decode sizes (a few to a few dozen rows) a linear layer is bound by reading its
  * weights once; oneDNN's small-M path reads them well below the memory bandwidth here.
@@ -7,22 +8,25 @@
  * of 16 k-pairs x 16 columns x 2) and keeps a 32-column panel in L2 while it walks the
  * rows 32 at a time; a larger batch (a prefill chunk) goes by blocks of rows that fit in
  * L2, each block passing over every panel. Needs K % 32 == 0 and N % 32 == 0; fp32
- * accumulation, bf16 output rounded to nearest even. On CPUs without AMX the entry points
- * report so and do nothing.
+ * accumulation, bf16 output rounded to nearest even.
+ *
+ * The kernel's one variant, amx (built with -march=x86-64-v4 and the AMX and AVX512-BF16
+ * flags on every machine); the Python side loads it only on CPUs with AMX, and calls
+ * pd_amx_init() first.
  */
-#include <stdint.h>
-#include <string.h>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <omp.h>
+#include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "pdserve_kernels.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-/* 1 when this process may use AMX tiles (asks the kernel for the tile state once). */
+/* Linux gives a process the AMX tile state only when it asks (once). */
 int pd_amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
 typedef struct {
@@ -130,14 +134,3 @@ void pd_amx_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, 
         _tile_release();
     }
 }
-
-#else
-int pd_amx_init(void) { return 0; }
-void pd_amx_pack(const uint16_t* w, uint16_t* out, int N, int K) {
-    (void)w; (void)out; (void)N; (void)K;
-}
-void pd_amx_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int M,
-                   int N, int K, int nthreads) {
-    (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
-}
-#endif

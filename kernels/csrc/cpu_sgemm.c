@@ -1,5 +1,6 @@
 /* float32 linears on AVX2 CPUs: y[M, N] = x[M, K] @ W^T (+ bias), for every row count.
- * Built and loaded by kernels/cpu_build.py; the torch side is kernels/sgemm_cpu.py.
+ * Built and loaded by kernels/cpu_build.py; the torch side is kernels/sgemm_cpu.py, the
+ * interface pdserve_kernels.h.
  *
  * On CPUs with AVX2 and FMA but no AVX-512, oneDNN's packed float32 linear reaches
  * 110-150 GFLOP/s on 2 threads at SmolLM2's decode and prefill shapes; a plain
@@ -10,16 +11,14 @@
  * against the group's 3 panels (again 12 accumulators). Every output is one fp32 sum
  * over k in order, whatever M or the thread count: a row's result does not depend on the
  * batch it is in.
- * On CPUs with AVX-512, or without AVX2 and FMA, pd_sgemm_available() answers 0 and the
- * caller keeps oneDNN.
+ *
+ * The kernel's one variant, avx2 (built with -march=x86-64-v3 on every machine): the
+ * Python side uses it on CPUs with AVX2 and FMA but no AVX-512, and keeps oneDNN elsewhere.
  */
+#include <immintrin.h>
 #include <stddef.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#include <immintrin.h>
-#include <omp.h>
-
-int pd_sgemm_available(void) { return 1; }
+#include "pdserve_kernels.h"
 
 /* W [N, K] -> [N/16][K][16]: panel p holds columns 16p..16p+15, k-major. N % 16 == 0. */
 void pd_sgemm_pack(const float* w, float* out, int N, int K) {
@@ -126,16 +125,3 @@ void pd_sgemm_linear(const float* x, const float* wp, const float* bias, float* 
                            N, p0, p1);
     }
 }
-
-#else
-
-int pd_sgemm_available(void) { return 0; }
-void pd_sgemm_pack(const float* w, float* out, int N, int K) {
-    (void)w, (void)out, (void)N, (void)K;
-}
-void pd_sgemm_linear(const float* x, const float* wp, const float* bias, float* y, int M, int N,
-                     int K, int nthreads) {
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
-}
-
-#endif

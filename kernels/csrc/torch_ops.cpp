@@ -1,8 +1,9 @@
 // The CPU step's custom ops as C++ torch operators (namespace pdserve_cpu), so that a
 // compiled step calls its linears and attention without entering Python: with inductor's
 // C++ wrapper the whole decode step runs as one call without the GIL.
-// Built and loaded by kernels/cpu_build.py (linked against the C kernels of
-// cpu_attention.c, cpu_gemm.c and cpu_sgemm.c); the Python side is services/engine/model/ops.py.
+// Built and loaded by kernels/cpu_build.py, linked against the variants of the attention,
+// sgemm and gemm kernels that this CPU runs (their interface: pdserve_kernels.h); the Python
+// side is services/engine/model/ops.py.
 //
 // Attention reads the step's KV cache and metadata from a per-thread context that
 // set_step() fills before each forward (each engine steps on its own thread). Decode rows
@@ -17,29 +18,7 @@
 #include <cstdint>
 #include <optional>
 
-extern "C" {
-void pd_sgemm_linear(const float* x, const float* wp, const float* bias, float* y, int M, int N,
-                     int K, int nthreads);
-void pd_amx_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
-                   int M, int N, int K, int nthreads);
-void pd_write_kv_f32(const float* k, const float* v, int64_t k_ts, int64_t k_hs, int64_t v_ts,
-                     int64_t v_hs, float* kc, float* vc, int64_t blk_s, int64_t tok_s,
-                     int64_t head_s, const int64_t* slots, int n, int hkv, int d, int block_size);
-void pd_write_kv_bf16(const uint16_t* k, const uint16_t* v, int64_t k_ts, int64_t k_hs,
-                      int64_t v_ts, int64_t v_hs, uint16_t* kc, uint16_t* vc, int64_t blk_s,
-                      int64_t tok_s, int64_t head_s, const int64_t* slots, int n, int hkv, int d,
-                      int block_size);
-void pd_decode_attention_f32(const float* q, int64_t q_ts, int64_t q_hs, const float* kc,
-                             const float* vc, int64_t blk_s, int64_t tok_s, int64_t head_s,
-                             const int32_t* bt, int64_t bt_s, const int32_t* seq_lens, int S,
-                             int H, int hkv, int D, int block_size, float scale, float* out,
-                             int nthreads);
-void pd_decode_attention_bf16(const uint16_t* q, int64_t q_ts, int64_t q_hs, const uint16_t* kc,
-                              const uint16_t* vc, int64_t blk_s, int64_t tok_s, int64_t head_s,
-                              const int32_t* bt, int64_t bt_s, const int32_t* seq_lens, int S,
-                              int H, int hkv, int D, int block_size, float scale, uint16_t* out,
-                              int nthreads);
-}
+#include "pdserve_kernels.h"
 
 namespace {
 

@@ -1,6 +1,7 @@
-"""The CPU C kernels against the torch reference: every group size, head dim and block size
-path (the AVX-512 specialisations or, on AVX2 CPUs, the 8-lane path, and the portable
-loops), fp32 and bf16, both layouts."""
+"""The CPU C kernels against the torch reference, in every variant this CPU runs (portable,
+avx2, avx512: ``isa``): every group size, head dim and block size path (the AVX-512
+specialisations, the AVX2 8-lane path, and the portable loops they leave to), fp32 and
+bf16, both layouts."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ import torch
 
 from pdserve.kernels import attention_cpu as cpu
 from pdserve.kernels import attention_ref as ref
+from pdserve.kernels.cpu_build import variants_here
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
+
+
+@pytest.fixture(params=variants_here("attention"))
+def isa(request) -> str:
+    """Each variant of the kernels this CPU runs."""
+    return request.param
 
 
 def _caches(num_blocks, block_size, hkv, d, dtype, head_major, gen):
@@ -50,7 +58,7 @@ def _batch(num_blocks, block_size, lens, gen):
     ],
 )
 @pytest.mark.parametrize("head_major", [True, False])
-def test_decode_matches_the_reference(dtype, hkv, group, d, block_size, head_major):
+def test_decode_matches_the_reference(dtype, hkv, group, d, block_size, head_major, isa):
     gen = torch.Generator().manual_seed(hkv * 100 + group * 10 + d + block_size)
     lens = [1, 15, 16, 17, 33, 200]
     kc, vc = _caches(64, block_size, hkv, d, dtype, head_major, gen)
@@ -58,14 +66,14 @@ def test_decode_matches_the_reference(dtype, hkv, group, d, block_size, head_maj
     q = torch.randn(len(lens), hkv * group, d, generator=gen).to(dtype)
     scale = 1 / math.sqrt(d)
     want = ref.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
-    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
+    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, isa=isa)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hkv,group,d", [(3, 3, 64), (2, 4, 32), (1, 8, 128), (2, 2, 24)])
-def test_decode_of_a_large_batch_matches_the_reference(dtype, hkv, group, d):
+def test_decode_of_a_large_batch_matches_the_reference(dtype, hkv, group, d, isa):
     """Enough sequences that each thread takes whole sequences (every head of one)."""
     gen = torch.Generator().manual_seed(hkv + group + d)
     lens = [1 + (37 * i) % 150 for i in range(24)] + [0, 300]
@@ -74,7 +82,7 @@ def test_decode_of_a_large_batch_matches_the_reference(dtype, hkv, group, d):
     seq_lens[lens.index(0)] = 0
     q = torch.randn(len(lens), hkv * group, d, generator=gen).to(dtype)
     scale = 1 / math.sqrt(d)
-    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, scale)
+    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, isa=isa)
     live = seq_lens > 0
     want = ref.paged_decode_attention(q[live], kc, vc, tables[live], seq_lens[live], scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -84,25 +92,25 @@ def test_decode_of_a_large_batch_matches_the_reference(dtype, hkv, group, d):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hkv,group,d", [(3, 3, 64), (2, 4, 32), (1, 8, 128)])
-def test_a_sequence_gets_the_same_result_alone_and_in_a_large_batch(dtype, hkv, group, d):
+def test_a_sequence_gets_the_same_result_alone_and_in_a_large_batch(dtype, hkv, group, d, isa):
     """Alone, a sequence's heads are separate tasks; in a large batch, one task takes all of
-    them. The arithmetic of a head is the same in both, bit for bit: a sequence's output
-    does not depend on the batch it decodes in."""
+    them (in the vector variants). The arithmetic of a head is the same in both, bit for
+    bit: a sequence's output does not depend on the batch it decodes in."""
     gen = torch.Generator().manual_seed(11 * hkv + d)
     n = max(16, 4 * torch.get_num_threads())
     lens = [1 + (53 * i) % 200 for i in range(n)]
     kc, vc = _caches(4 + sum(-(-x // 16) for x in lens), 16, hkv, d, dtype, True, gen)
     tables, seq_lens = _batch(kc.shape[0], 16, lens, gen)
     q = torch.randn(n, hkv * group, d, generator=gen).to(dtype)
-    together = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.1)
+    together = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.1, isa=isa)
     for i in (0, 5, n - 1):
         alone = cpu.paged_decode_attention(
-            q[i : i + 1], kc, vc, tables[i : i + 1], seq_lens[i : i + 1], 0.1
+            q[i : i + 1], kc, vc, tables[i : i + 1], seq_lens[i : i + 1], 0.1, isa=isa
         )
         assert torch.equal(alone[0], together[i])
 
 
-def test_decode_reads_a_strided_query_and_skips_empty_rows():
+def test_decode_reads_a_strided_query_and_skips_empty_rows(isa):
     gen = torch.Generator().manual_seed(7)
     kc, vc = _caches(16, 16, 2, 64, torch.float32, True, gen)
     tables, seq_lens = _batch(16, 16, [40, 1], gen)
@@ -110,21 +118,21 @@ def test_decode_reads_a_strided_query_and_skips_empty_rows():
     q = qkv[:, : 6 * 64].view(3, 6, 64)
     tables = torch.cat([tables, tables[:1]])
     seq_lens = torch.tensor([40, 1, 0], dtype=torch.int32)
-    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    got = cpu.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, isa=isa)
     want = ref.paged_decode_attention(q[:2], kc, vc, tables[:2], seq_lens[:2], 0.125)
     torch.testing.assert_close(got[:2], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[2], torch.zeros(6, 64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_fills_slots_and_skips_padding(dtype):
+def test_write_kv_fills_slots_and_skips_padding(dtype, isa):
     gen = torch.Generator().manual_seed(3)
     kc, vc = _caches(6, 16, 2, 64, dtype, True, gen)
     before_k, before_v = kc.clone(), vc.clone()
     fused = torch.randn(4, 3, 2, 64, generator=gen).to(dtype)  # k and v interleaved: strided
     k, v = fused[:, 0], fused[:, 1]
     slots = torch.tensor([0, 37, -1, 90])
-    cpu.write_kv(k, v, kc, vc, slots)
+    cpu.write_kv(k, v, kc, vc, slots, isa=isa)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             assert torch.equal(kc[s // 16, s % 16], k[i])

@@ -17,6 +17,7 @@ from pdserve.engine.model.cpu_linear import (
     packing_available,
 )
 from pdserve.kernels import gemm_cpu, sgemm_cpu
+from pdserve.kernels.cpu_build import variants_here
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN")
 BF16 = torch.bfloat16 if packing_available(torch.bfloat16) else None
@@ -24,11 +25,19 @@ needs_bf16 = pytest.mark.skipif(BF16 is None, reason="oneDNN has no bf16 path on
 ROWS = [1, 2, 3, 7, 16, 31, 32, 33, 64, 65, 200, 1024, 1025]
 
 
+def _take_sgemm(monkeypatch) -> None:
+    """float32 linears through the sgemm kernel wherever the CPU runs it (the engine takes
+    it by default only on CPUs without AVX-512)."""
+    if not variants_here("sgemm"):
+        pytest.skip("the sgemm kernel needs AVX2")
+    monkeypatch.setattr(sgemm_cpu, "_default_isa", lambda: "avx2")
+
+
 @pytest.mark.parametrize("use_sgemm", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_matches_f_linear_at_every_row_count(bias, use_sgemm):
-    if use_sgemm and not sgemm_cpu.available():
-        pytest.skip("the sgemm kernel is for AVX2 CPUs without AVX-512")
+def test_float32_matches_f_linear_at_every_row_count(bias, use_sgemm, monkeypatch):
+    if use_sgemm:
+        _take_sgemm(monkeypatch)
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
     packed = PackedLinear(linear, 0, use_amx=True, cpp_op=False, use_sgemm=use_sgemm)
@@ -96,13 +105,13 @@ def test_linears_of_a_dtype_onednn_cannot_pack_stay_plain(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(BF16, marks=needs_bf16)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("use_sgemm", [False, True])
-def test_the_cpp_op_computes_what_the_python_op_does(dtype, bias, use_sgemm):
+def test_the_cpp_op_computes_what_the_python_op_does(dtype, bias, use_sgemm, monkeypatch):
     """``pdserve_cpu::linear`` takes the packed weights as inputs and runs the same kernels
     as ``PackedLinear.run``: bit for bit the same result at every row count."""
     if ops.cpu_ops_error() is not None:
         pytest.skip(f"no C++ ops here: {ops.cpu_ops_error()}")
-    if use_sgemm and not sgemm_cpu.available():
-        pytest.skip("the sgemm kernel is for AVX2 CPUs without AVX-512")
+    if use_sgemm:
+        _take_sgemm(monkeypatch)
     torch.manual_seed(2)
     linear = nn.Linear(128, 96, bias=bias).to(dtype)
     packed = PackedLinear(linear, 0, use_amx=gemm_cpu.available(), cpp_op=True, use_sgemm=use_sgemm)

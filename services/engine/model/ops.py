@@ -88,7 +88,7 @@ def cpu_ops_error() -> str | None:
     from pdserve.kernels.cpu_build import KernelBuildError, load_torch_ops
 
     try:
-        load_torch_ops("torch_ops", ("cpu_attention", "cpu_gemm", "cpu_sgemm"))
+        load_torch_ops("torch_ops", ("attention", "gemm", "sgemm"))
     except KernelBuildError as e:
         logger.warning("the C++ CPU operators do not build here, using Python ops: %s", e)
         return str(e)
