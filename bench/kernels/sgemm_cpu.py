@@ -3,7 +3,8 @@
 One decode step's linears of the model (each layer's fused q|k|v, o, fused gate|up and
 down, then lm_head; random weights of the model's shapes, about 540 MB for SmolLM2, so
 they come from memory as in a step) at each row count, the two kernels alternating,
-best of --repeats. Writes a RESULTS.md section with --write-results.
+best of --repeats. Writes a RESULTS.md section with --write-results. ``--isa avx2`` runs
+the kernel where the engine would keep oneDNN (CPUs with AVX-512).
 
     .venv/bin/python -m bench.kernels.sgemm_cpu --write-results
 """
@@ -32,9 +33,9 @@ def step_shapes(s: Shapes) -> list[tuple[int, int]]:
     return layer * s.layers + [(s.vocab, s.hidden)]
 
 
-def run_sgemm(shapes, packed, xs) -> None:
+def run_sgemm(shapes, packed, xs, isa: str | None = None) -> None:
     for (n, k), p in zip(shapes, packed, strict=True):
-        sgemm_cpu.linear(xs[k], p, None, n)
+        sgemm_cpu.linear(xs[k], p, None, n, isa=isa)
 
 
 def run_onednn(shapes, packed, xs) -> None:
@@ -50,9 +51,15 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,16,32,64,256,512")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
+    ap.add_argument(
+        "--isa", default=None, help="the kernel's variant (default: the one the engine takes)"
+    )
     args = ap.parse_args()
-    if not sgemm_cpu.available():
-        print("the sgemm kernel is not built for this CPU (it is for AVX2 without AVX-512)")
+    if not sgemm_cpu.available(args.isa):
+        print(
+            "no sgemm kernel here: the engine takes it on CPUs with AVX2 and without "
+            "AVX-512 (--isa avx2 runs it on any CPU with AVX2)"
+        )
         return 1
 
     from transformers import AutoConfig
@@ -61,14 +68,14 @@ def main() -> int:
     shapes = step_shapes(Shapes.from_config(AutoConfig.from_pretrained(path)))
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in shapes]
-    ours = [sgemm_cpu.pack(w) for w in weights]
+    ours = [sgemm_cpu.pack(w, isa=args.isa) for w in weights]
     flops_per_row = sum(2 * n * k for n, k in shapes)
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in weights]
         xs = {k: torch.randn(m, k) for _, k in shapes}
         runs = {
-            "sgemm": partial(run_sgemm, shapes, ours, xs),
+            "sgemm": partial(run_sgemm, shapes, ours, xs, args.isa),
             "onednn": partial(run_onednn, shapes, onednn, xs),
         }
         best = {name: float("inf") for name in runs}
