@@ -203,7 +203,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Run one step over ``batch``; its samples, index-aligned with ``batch.seqs``."""
         bucket = self._decode_bucket(batch)
-        step = self.inputs.prepare(batch.seqs, batch.num_new_tokens, pad_decode_to=bucket)
+        step = self.inputs.prepare(batch.seqs, batch.num_new_tokens, bucket, batch.draft_token_ids)
         with self._step_context(step.meta):
             hidden = self._run(step, bucket)
             logits = self.model.compute_logits(hidden[step.logit_rows])
@@ -229,9 +229,10 @@ class ModelRunner:
                 token_ids[i].append(tokens[k])
                 token_logprobs[i].append(logprobs[k])
         for i, seq in enumerate(batch.seqs):
-            if seq.spec_token_ids and not (row_errors and row_errors[i]):
-                rows = logits[first_row[i] : first_row[i] + len(seq.spec_token_ids) + 1]
-                token_ids[i] = self.acceptance_rule(seq.spec_token_ids, token_ids[i], rows, seq)
+            drafts = batch.draft_token_ids.get(seq.request_id)
+            if drafts and not (row_errors and row_errors[i]):
+                rows = logits[first_row[i] : first_row[i] + len(drafts) + 1]
+                token_ids[i] = self.acceptance_rule(drafts, token_ids[i], rows, seq)
                 del token_logprobs[i][len(token_ids[i]) :]
         return ModelRunnerOutput(token_ids, token_logprobs, row_errors)
 

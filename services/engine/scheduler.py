@@ -27,10 +27,16 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """What one step computes: ``num_new_tokens[i]`` tokens of ``seqs[i]``."""
+    """What one step computes: ``num_new_tokens[i]`` tokens of ``seqs[i]``.
+
+    A sequence in ``draft_token_ids`` (vLLM's ``scheduled_spec_decode_tokens``) advances by
+    its last token and the drafts proposed after it, which are scored with it but are not
+    yet part of its ``token_ids``; ``Scheduler.update`` keeps the ones verification accepted.
+    """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> drafts
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -77,7 +83,7 @@ class Scheduler:
             if n == 1 and seq.request_id in proposals:
                 drafts = proposals[seq.request_id][: budget - 1]
                 if drafts and self.kv_cache.allocate_slots(seq, 1 + len(drafts)):
-                    seq.spec_token_ids = drafts
+                    batch.draft_token_ids[seq.request_id] = drafts
                     batch.seqs.append(seq)
                     batch.num_new_tokens.append(1 + len(drafts))
                     budget -= 1 + len(drafts)
@@ -138,7 +144,6 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
-        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -153,12 +158,12 @@ class Scheduler:
         nothing else go back to the pool, before any full block is cached."""
         finished = []
         errors = output.errors or [None] * len(batch.seqs)
+        drafts = batch.draft_token_ids
         for seq, n, tokens, logprobs, error in zip(
             batch.seqs, batch.num_new_tokens, output.token_ids, output.logprobs, errors, strict=True
         ):
-            num_drafts = len(seq.spec_token_ids)
+            num_drafts = len(drafts.get(seq.request_id, ()))
             if num_drafts:
-                seq.spec_token_ids = []
                 num_accepted = len(tokens) - 1 if error is None else 0
                 self.spec.record(seq, num_drafts, num_accepted)
                 n -= num_drafts - num_accepted

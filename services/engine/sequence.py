@@ -80,9 +80,6 @@ class Sequence:
     num_imported_tokens: int = 0
     error: object | None = None  # a RequestError when finish_reason is ERROR
     times: RequestTimes = field(default_factory=RequestTimes)
-    # Tokens proposed for this step after its last one (speculative decoding): scored with
-    # it, not yet part of ``token_ids``; the scheduler clears them once they are verified.
-    spec_token_ids: list[int] = field(default_factory=list)
     # Verifications since its last stream message, for the gateway's counters.
     spec_pending: SpecDecodeStats | None = None
 

@@ -74,10 +74,15 @@ class StepInputs:
         return self._dev["positions"]
 
     def prepare(
-        self, seqs: list[Sequence], num_new_tokens: list[int], pad_decode_to: int = 0
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        pad_decode_to: int = 0,
+        draft_token_ids: dict[str, list[int]] | None = None,
     ) -> PreparedStep:
         """Write the rows of ``seqs`` (advancing by ``num_new_tokens``); decode rows first,
-        padded with dummy decode rows up to ``pad_decode_to``."""
+        padded with dummy decode rows up to ``pad_decode_to``. A sequence with drafts
+        (``draft_token_ids``, by request id) writes its last token and its drafts."""
         bs = self.block_size
         npy = self._np
         ids, pos, slots = npy["input_ids"], npy["positions"], npy["slot_mapping"]
@@ -113,8 +118,9 @@ class StepInputs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = np.asarray(seq.block_table, dtype=np.int64)
             p = np.arange(start, end)
-            if seq.spec_token_ids:  # the last token and its drafts: every row is sampled
-                ids[row : row + n] = [seq.token_ids[start], *seq.spec_token_ids]
+            drafts = draft_token_ids.get(seq.request_id) if draft_token_ids else None
+            if drafts:  # the last token and its drafts: every row is sampled
+                ids[row : row + n] = [seq.token_ids[start], *drafts]
                 sampled.extend((row + j, i) for j in range(n))
             else:
                 ids[row : row + n] = seq.token_ids[start:end]
@@ -125,7 +131,7 @@ class StepInputs:
             qsl[k + 1] = qsl[k] + n
             max_q, max_len = max(max_q, n), max(max_len, end)
             row += n
-            if end == seq.num_tokens and not seq.spec_token_ids:
+            if end == seq.num_tokens and not drafts:
                 sampled.append((row - 1, i))
         rows = npy["logit_rows"]
         rows[: len(sampled)] = [r for r, _ in sampled]

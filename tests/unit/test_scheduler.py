@@ -60,9 +60,10 @@ class FakeRunner:
         sampled: list[list[int]] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            tokens = seq.token_ids + seq.spec_token_ids
+            drafts = batch.draft_token_ids.get(seq.request_id, [])
+            tokens = seq.token_ids + drafts
             assert 0 < n <= len(tokens) - start
-            assert not seq.spec_token_ids or start + n == len(tokens)
+            assert not drafts or start + n == len(tokens)
             for pos in range(start):
                 block = seq.block_table[pos // BS]
                 assert self.kv[block][pos % BS] == seq.token_ids[pos], (seq.request_id, pos)
@@ -70,9 +71,9 @@ class FakeRunner:
                 block = seq.block_table[pos // BS]
                 assert pool.ref_counts[block] == 1, f"write into shared block {block}"
                 self.kv.setdefault(block, [None] * BS)[pos % BS] = tokens[pos]
-            if seq.spec_token_ids:
-                draws = [self.token(seq, j) for j in range(len(seq.spec_token_ids) + 1)]
-                sampled.append(accept_drafts(seq.spec_token_ids, draws))
+            if drafts:
+                draws = [self.token(seq, j) for j in range(len(drafts) + 1)]
+                sampled.append(accept_drafts(drafts, draws))
             else:
                 sampled.append([self.token(seq)] if start + n == seq.num_tokens else [])
         return ModelRunnerOutput(sampled, [[None] * len(t) for t in sampled])
@@ -450,6 +451,21 @@ def test_a_speculating_sequence_advances_by_what_was_accepted():
     assert_all_free(sched)
 
 
+def test_the_batch_carries_the_drafts_by_request_and_the_sequence_only_what_was_kept():
+    s = make_seq("s", range(10, 15), max_tokens=12, ignore_eos=True)
+    sched, runner = make_speculating(16, [s])
+    sched.add(s)
+    step(sched, runner)
+    batch = sched.schedule()
+    assert batch.draft_token_ids == {"s": [1001, 1002, 1003]}
+    assert (batch.seqs, batch.num_new_tokens) == ([s], [4])
+    assert s.token_ids == [*range(10, 15), 1000]  # drafts are not the sequence's yet
+    sched.update(batch, ModelRunnerOutput([[1001, 1002, 9]], [[None] * 3]))
+    assert s.output_token_ids == [1000, 1001, 1002, 9]
+    assert s.num_computed_tokens == s.num_tokens - 1
+    assert sched.schedule().draft_token_ids == {"s": [1004, 1005, 1006]}  # proposed afresh
+
+
 def test_drafts_stop_at_a_stop_token_and_never_pass_max_tokens():
     s = make_seq("s", range(10, 14), max_tokens=30)
     sched, runner = make_speculating(16, [s])
@@ -485,7 +501,6 @@ def test_random_workload_with_speculation_finishes_exactly_with_every_block_free
             break
         step(sched, runner)
         for s in sched.running:
-            assert s.spec_token_ids == []
             if s.num_computed_tokens:
                 assert len(s.block_table) <= cdiv(s.num_tokens, BS)
     assert not pending and not sched.has_unfinished()

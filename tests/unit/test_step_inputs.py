@@ -85,3 +85,16 @@ def test_buffers_are_the_same_storage_every_step():
 def test_a_step_larger_than_the_buffers_is_a_bug():
     with pytest.raises(RuntimeError, match="bug: a step of 40 tokens"):
         _inputs().prepare([_seq("a", list(range(40)), 0, list(range(10)))], [40])
+
+
+def test_a_speculating_sequence_writes_its_last_token_and_drafts_and_samples_each_row():
+    decode = _seq("d", [5, 6, 7, 8, 9], 5, [3, 7], outputs=[10])
+    spec = _seq("s", [1, 2, 3, 4, 5], 5, [2, 6], outputs=[6])  # last token at position 5
+    inputs = _inputs()
+    step = inputs.prepare([spec, decode], [3, 1], draft_token_ids={"s": [7, 8]})
+    assert inputs.input_ids[:4].tolist() == [10, 6, 7, 8]
+    assert inputs.positions[:4].tolist() == [5, 5, 6, 7]
+    assert step.meta.slot_mapping.tolist() == [29, 25, 26, 27]
+    assert step.meta.prefill_seq_lens.tolist() == [8]
+    assert step.logit_rows.tolist() == [0, 1, 2, 3]
+    assert step.sample_order == [1, 0, 0, 0]
