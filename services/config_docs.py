@@ -60,8 +60,11 @@ INTRO = f"""\
 
 Every flag of a pdserve command can also be set by the `PDSERVE_*` environment variable
 named beside it (`--max-num-seqs 8` is `PDSERVE_MAX_NUM_SEQS=8`); a flag given on the
-command line wins. A boolean flag takes `on` or `off` (or true/false, yes/no, 1/0), and
-`--no-X` turns `--X` off. A `PDSERVE_*` variable that no command reads is warned about at
+command line wins, then the variable, then the default. A boolean flag is a switch: `--X`
+turns it on, `--no-X` off, and `--X=off` (or true/false, yes/no, 1/0) sets it; on commands
+without positional arguments the word after it may be its value (`--disaggregation off`),
+never on `pdserve generate`. A `PDSERVE_*` variable set to true/false, yes/no, 1/0 or on/off
+sets a boolean the same way. A `PDSERVE_*` variable that no command reads is warned about at
 start. `pdserve COMMAND --help` prints the same flags.
 """
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench.timing import median_ms
 from pdserve.engine.prepare_model import prepare_default_model
 from pdserve.engine.sampler import TOP_P_CANDIDATES, _top_p_by_sort, top_p_filtered
 
@@ -36,15 +36,6 @@ def model_logits(rows: int) -> torch.Tensor:
     ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, -rows:]
     with torch.inference_mode():
         return model(ids).logits[0].float()
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from bench.engine.top_p import median_ms
+from bench.timing import median_ms
 from pdserve.kernels import attention_cpu, attention_ref
 from pdserve.kernels.cpu_build import variants_here
 
