@@ -6,14 +6,81 @@ the wire between them (``pdserve.wire.convert``).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 # A temperature below this samples greedily, as in vLLM: dividing logits by it would
 # overflow to inf and make the probabilities NaN.
 SAMPLING_EPS = 1e-5
 # max_tokens of a request that leaves it unset (the gateway's --max-tokens-default).
 DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output, as vLLM's ``structured_outputs``: exactly one of a
+    JSON schema (as JSON text), any JSON object, a regular expression, one of some strings,
+    or a grammar in EBNF (GBNF, as llama.cpp and xgrammar write it)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        _check(
+            len(given) == 1,
+            "structured_outputs takes exactly one of json, json_object, regex, choice and "
+            f"grammar, got {', '.join(given) or 'none'}",
+        )
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
+            _check(
+                isinstance(schema, dict | bool),
+                f"a JSON schema is an object (or true/false), got {type(schema).__name__}",
+            )
+        if self.choice is not None:
+            _check(
+                bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                "choice must be a non-empty list of non-empty strings",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""), f"{name} is empty")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def source(self) -> str:
+        """The constraint's text (a choice as its JSON list; "" for json_object)."""
+        if self.choice is not None:
+            return json.dumps(list(self.choice))
+        value = getattr(self, self.kind)
+        return "" if value is True else value
+
+    def key(self) -> bytes:
+        """A stable key of the constraint (compiled grammars are cached by it)."""
+        text = f"{self.kind}\0{self.source}".encode()
+        return hashlib.blake2b(text, digest_size=16).digest()
+
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
@@ -24,6 +91,12 @@ class SamplingParams:
     disable theirs. A seed makes sampling reproducible whatever the batch. Penalties follow
     vLLM: presence and frequency (0.0: off) count output tokens only; repetition (1.0: off)
     divides or multiplies the logits of every token seen in the prompt or the output.
+
+    What a token may be, as vLLM: ``structured_outputs`` (a grammar the output follows),
+    ``allowed_token_ids`` (None: any), ``bad_words_token_ids`` (token sequences never
+    completed), and ``min_tokens`` (no stop token before that many); ``logit_bias`` adds to
+    tokens' logits (a dict or (token, bias) pairs). ``prompt_logprobs``: the logprobs of
+    every prompt token after the first, with the top n at each position.
     """
 
     max_tokens: int = 16
@@ -39,9 +112,25 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias or ()
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in pairs)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        words = tuple(tuple(w) for w in self.bad_words_token_ids or ())
+        object.__setattr__(self, "bad_words_token_ids", words)
+        self._check_values()
+        self._check_token_rules()
+
+    def _check_values(self) -> None:
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
@@ -89,6 +178,42 @@ class SamplingParams:
             _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
             f"repetition_penalty must be in (0, 2] (1.0 is off), got {self.repetition_penalty!r}",
         )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+            f"got {self.prompt_logprobs!r}",
+        )
+
+    def _check_token_rules(self) -> None:
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs must be a StructuredOutputs",
+        )
+        for token, bias in self.logit_bias:
+            _check(_is_int(token) and token >= 0, f"logit_bias: {token!r} is not a token id")
+            _check(
+                _is_number(bias) and math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS,
+                f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                bool(self.allowed_token_ids)
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids must be a non-empty list of token ids",
+            )
+        for word in self.bad_words_token_ids:
+            _check(
+                bool(word) and all(_is_int(t) and t >= 0 for t in word),
+                f"bad_words_token_ids: {list(word)!r} is not a non-empty list of token ids",
+            )
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the parameters name (to check against a vocabulary)."""
+        ids = [*self.stop_token_ids, *(t for t, _ in self.logit_bias)]
+        ids += [*(self.allowed_token_ids or ()), *(t for w in self.bad_words_token_ids for t in w)]
+        return ids
 
     @property
     def greedy(self) -> bool:
@@ -102,6 +227,17 @@ class SamplingParams:
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether allowed_token_ids, bad words, min_tokens or a logit bias change the logits
+        (a grammar is apart: ``structured_outputs``)."""
+        return bool(
+            self.allowed_token_ids is not None
+            or self.bad_words_token_ids
+            or self.min_tokens
+            or self.logit_bias
         )
 
 

@@ -46,7 +46,14 @@ from pdserve.wire.convert import (
     logprob_to_proto,
     sampling_from_proto,
 )
-from pdserve.worker.runtime import error_status, serve_engine, start_engine
+from pdserve.worker.grammars import GrammarPreparer
+from pdserve.worker.runtime import (
+    error_status,
+    prepare_grammar,
+    serve_engine,
+    start_engine,
+    start_grammars,
+)
 from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
 logger = logging.getLogger(__name__)
@@ -102,8 +109,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         fetch_timeout_s: float = 10.0,
         metrics: WorkerMetrics | None = None,
         worker_id: str = "",
+        grammars: GrammarPreparer | None = None,
     ) -> None:
         self.engine = engine
+        self.grammars = grammars
         self.metrics = metrics or WorkerMetrics(engine, "decode")
         self.worker_id = worker_id
         self.layout = engine.info.layout
@@ -282,6 +291,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             params = sampling_from_proto(request.params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await prepare_grammar(self.grammars, params, context)
         handover = await self._handover(request, context, record)
         prompt = list(request.prompt_token_ids)
         try:
@@ -300,6 +310,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     num_cached_tokens=delta.num_cached_tokens,
                     num_transferred_tokens=delta.num_imported_tokens,
                     spec=spec_to_proto(delta.spec),
+                    prompt_logprobs=map(logprob_to_proto, delta.prompt_logprobs or ()),
                 )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -350,11 +361,12 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         resources.push_async_callback(view.close)
     kvstores = KnownKVStores(settings.kvstore, view)
     metrics, worker_id = WorkerMetrics(engine, "decode"), new_worker_id("decode")
+    grammars = start_grammars(settings, engine, resources)
     servicer = DecodeServicer(
-        engine, kvstores, trust, settings.kv_fetch_timeout, metrics, worker_id
+        engine, kvstores, trust, settings.kv_fetch_timeout, metrics, worker_id, grammars
     )
     resources.push_async_callback(servicer.close)
-    return await serve_engine(
+    serving = await serve_engine(
         settings,
         resources,
         "decode",
@@ -365,6 +377,8 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         metrics,
         worker_id,
     )
+    grammars.start_warming()
+    return serving
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -323,6 +323,7 @@ class AsyncEngine:
             times=seq.times if reason is not None else None,
             num_preemptions=seq.num_preemptions,
             spec=seq.spec_pending,
+            prompt_logprobs=seq.prompt_logprobs if sent == 0 else None,
         )
         seq.spec_pending = None
         _post(loop, out.put_nowait, delta)

@@ -20,6 +20,7 @@ from pdserve.engine.outputs import EngineInfo, EngineStats, StepOutput
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import SpecDecoder
+from pdserve.engine.structured_output import GrammarCompiler
 from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.sizes import parse_size
@@ -75,6 +76,8 @@ class LLMEngine:
             self.kv_cache,
             self.spec,
         )
+        # Structured outputs: xgrammar loads on the first constrained request (or warm()).
+        self.grammars = GrammarCompiler(cfg.path, cfg.vocab_size, cfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # prefilled, blocks kept for export
         self._importing: dict[str, Sequence] = {}  # prefix held, waiting for fetched blocks
@@ -117,15 +120,27 @@ class LLMEngine:
         return seq
 
     def _new_sequence(self, prompt: list[int], params: SamplingParams, request_id: str) -> Sequence:
+        """A sequence for a request, checked; its grammar compiled here unless cached (a
+        worker compiles it off this thread first). ValueError for what cannot be served."""
         if request_id in self._seqs or request_id in self._importing:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_prompt(prompt, self.max_model_len, self.model_config.vocab_size)
-        return Sequence(
+        vocab = self.model_config.vocab_size
+        check_prompt(prompt, self.max_model_len, vocab)
+        outside = [t for t in params.token_ids_used() if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"token id {outside[0]} in the sampling parameters is outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt),
             params=params,
             eos_token_ids=self.model_config.eos_token_ids,
         )
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.state(params.structured_outputs)
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is (queued, running, importing, prefilled) and free
@@ -264,8 +279,11 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len}"
             )
         seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq.prompt_logprobs = None  # the worker that prefilled it sent them
         if first_logprob is None and params.logprobs is not None:
             first_logprob = TokenLogprobs(first_token, 0.0, {})  # sent already: a stand-in
+        # A grammar follows these tokens as they are appended: its state is rebuilt from
+        # them (ValueError when they do not follow it).
         seq.append_token(first_token, first_logprob)
         for token in resumed:
             # The client has these tokens' logprobs already: a stand-in keeps the list

@@ -30,6 +30,8 @@ class RequestOutput:
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
+    # With SamplingParams.prompt_logprobs: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -95,6 +97,7 @@ class LLM:
             finish_reason=seq.finish_reason or FinishReason.ABORT,
             logprobs=seq.logprobs,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     def stats(self) -> EngineStats:

@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from pdserve.core.model import ModelConfig
+from pdserve.core.sampling import TokenLogprobs
 from pdserve.engine.attention import AttentionMetadata, get_attention_backend
 from pdserve.engine.cuda_graphs import CudaGraphRunner, bucket_for, decode_buckets
 from pdserve.engine.forward_context import ForwardContext, forward_context
@@ -32,10 +33,11 @@ from pdserve.engine.model import ops
 from pdserve.engine.model.cpu_linear import describe, pack_linears, packing_available
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.outputs import ModelRunnerOutput
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import default_rule
 from pdserve.engine.step_inputs import PreparedStep, StepInputs
+from pdserve.engine.structured_output import step_bitmask
 from pdserve.kernels import sample_cpu
 from pdserve.settings.engine import EngineArgs
 
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 ROPE_POSITIONS = 16384
 # Attention backends whose kernels a CUDA graph can capture (no reads back to the host).
 GRAPH_BACKENDS = ("triton",)
+# Prompt positions whose logits are computed at once for prompt logprobs ([rows, vocab]).
+PROMPT_LOGPROB_ROWS = 256
 
 
 def cdiv(a: int, b: int) -> int:
@@ -207,6 +211,7 @@ class ModelRunner:
         with self._step_context(step.meta):
             hidden = self._run(step, bucket)
             logits = self.model.compute_logits(hidden[step.logit_rows])
+            prompt_logprobs = self._prompt_logprobs(batch, step, hidden)
         order = step.sample_order
         seqs = [batch.seqs[i] for i in order]
         # A speculating sequence's rows draw its next tokens in turn (a seeded draw is
@@ -215,7 +220,8 @@ class ModelRunner:
         for k in range(1, len(order)):
             if order[k] == order[k - 1]:
                 offsets[k] = offsets[k - 1] + 1
-        tokens, logprobs, errors = self.sampler(logits, seqs, offsets)
+        bitmask = step_bitmask(seqs, offsets, batch.draft_token_ids, self.cfg.vocab_size)
+        tokens, logprobs, errors = self.sampler(logits, seqs, offsets, bitmask)
         n = len(batch.seqs)
         token_ids: list[list[int]] = [[] for _ in range(n)]
         token_logprobs: list[list] = [[] for _ in range(n)]
@@ -234,7 +240,29 @@ class ModelRunner:
                 rows = logits[first_row[i] : first_row[i] + len(drafts) + 1]
                 token_ids[i] = self.acceptance_rule(drafts, token_ids[i], rows, seq)
                 del token_logprobs[i][len(token_ids[i]) :]
-        return ModelRunnerOutput(token_ids, token_logprobs, row_errors)
+        return ModelRunnerOutput(token_ids, token_logprobs, row_errors, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, step: PreparedStep, hidden: torch.Tensor
+    ) -> dict[int, list[TokenLogprobs]] | None:
+        """The prompt logprobs of the step's rows that give them, by batch index."""
+        if not step.prompt_rows:
+            return None
+        out: dict[int, list[TokenLogprobs]] = {}
+        for i, first, position, count in step.prompt_rows:
+            seq = batch.seqs[i]
+            lps: list[TokenLogprobs] = []
+            # In slices: a row of logits is the vocabulary's size.
+            for at in range(0, count, PROMPT_LOGPROB_ROWS):
+                n = min(PROMPT_LOGPROB_ROWS, count - at)
+                rows = hidden[first + at : first + at + n]
+                raw = self.model.compute_logits(rows).float()
+                p = position + at
+                nxt = seq.prompt_token_ids[p + 1 : p + 1 + n]
+                top = [seq.params.prompt_logprobs] * n
+                lps += token_logprobs(raw, nxt, top)
+            out[i] = lps
+        return out
 
     def _decode_bucket(self, batch: ScheduledBatch) -> int:
         """Rows to pad the decode part to: a graph's bucket, 2 for a compiled step of one

@@ -47,6 +47,9 @@ class ModelRunnerOutput:
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs | None]]
     errors: list[RequestError | None] | None = None
+    # Batch index -> the logprobs of the prompt tokens its chunk computed (requests that
+    # asked for prompt_logprobs), each after those its earlier chunks computed.
+    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class RequestDelta:
     times: RequestTimes | None = None
     num_preemptions: int = 0
     spec: SpecDecodeStats | None = None  # the verifications behind these tokens
+    # On a request's first delta, when this engine computed its prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

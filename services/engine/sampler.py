@@ -16,8 +16,10 @@ from typing import NamedTuple
 import torch
 
 from pdserve.core.sampling import TokenLogprobs
+from pdserve.engine.logits_processors import apply_token_rules
 from pdserve.engine.outputs import RequestError
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.structured_output import apply_bitmask
 from pdserve.kernels.sample_cpu import argmax
 
 logger = logging.getLogger(__name__)
@@ -32,11 +34,18 @@ class Samples(NamedTuple):
     errors: list[RequestError | None]
 
 
-def _unsamplable(raw: torch.Tensor, seq: Sequence) -> RequestError:
-    """The error of a row whose logits or probabilities are not usable."""
+def _unsamplable(raw: torch.Tensor, allowed: torch.Tensor, seq: Sequence) -> RequestError:
+    """The error of a row whose logits or probabilities are not usable; ``raw``: the model's
+    logits, ``allowed``: after the grammar mask and the request's token rules."""
     if not bool(raw.isfinite().all()):
         return RequestError("the model's logits are not finite (NaN or inf)")
     p = seq.params
+    if not bool((allowed > float("-inf")).any()):
+        return RequestError(
+            "no token may come next: the request's structured output, allowed_token_ids, "
+            f"bad_words and min_tokens ({p.min_tokens}) together rule out every token",
+            invalid=True,
+        )
     return RequestError(
         "the sampling parameters make the next token's probabilities non-finite "
         f"(temperature={p.temperature:g}, top_k={p.top_k}, top_p={p.top_p:g}, "
@@ -65,40 +74,65 @@ class Sampler:
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        offsets: list[int] | None = None,
+        bitmask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> Samples:
         """logits: [M, vocab], row i for seqs[i]; ``offsets[i]``: how many tokens after the
         sequence's next one row i draws (a speculating sequence scores several positions;
         a seeded draw is seeded by the token's index). Penalties see the sequence as it is,
-        so rows with an offset must have none.
+        so rows with an offset must have none. ``bitmask``: the grammar masks of the rows
+        that have one (``structured_output.step_bitmask``).
 
-        Logprobs are those of the raw logits, before penalties and temperature, as vLLM's.
-        A row that cannot be sampled gets token None and its error, and costs no other row
-        anything: an exception in the batched draw is retried row by row.
+        Logprobs are those of the logits after the grammar mask, before the token rules,
+        penalties and temperature, as vLLM's. A row that cannot be sampled gets token None
+        and its error, and costs no other row anything: an exception in the batched draw
+        is retried row by row.
         """
         offsets = offsets or [0] * len(seqs)
         try:
-            return self._sample(logits, seqs, offsets)
+            return self._sample(logits, seqs, offsets, bitmask)
         except Exception as error:  # noqa: BLE001 (it becomes the rows' errors)
             if len(seqs) == 1:
                 logger.exception("sampling request %s failed", seqs[0].request_id)
                 return Samples([None], [None], [RequestError(f"sampling failed: {error!r}")])
         samples = Samples([], [], [])
         for i, seq in enumerate(seqs):
-            row = self(logits[i : i + 1], [seq], offsets[i : i + 1])
+            mask = None
+            if bitmask is not None and i in bitmask[1]:
+                mask = (bitmask[0][i : i + 1], [0])
+            row = self(logits[i : i + 1], [seq], offsets[i : i + 1], mask)
             for mine, theirs in zip(samples, row, strict=True):
                 mine.extend(theirs)
         return samples
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]) -> Samples:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        offsets: list[int],
+        bitmask: tuple[torch.Tensor, list[int]] | None,
+    ) -> Samples:
         if self.fault is not None:
             for s in seqs:
                 self.fault(s)
         raw = logits.float()
-        penalized = apply_penalties(raw, seqs)
+        if bitmask is not None:
+            if raw is logits:  # the caller's tensor stays as it was
+                raw = raw.clone()
+            apply_bitmask(raw, *bitmask)
+        ruled = raw
+        if any(s.params.has_token_rules for s in seqs):
+            ruled = raw.clone()
+            apply_token_rules(ruled, seqs, offsets)
+        penalized = apply_penalties(ruled, seqs)
         tokens = argmax(penalized)
-        # argmax picks a NaN when there is one: the value at the pick tells a bad row.
-        ok = ~penalized.gather(1, tokens[:, None])[:, 0].isnan()
+        # argmax picks a NaN when there is one: the value at the pick tells a bad row, as
+        # does -inf (every token ruled out).
+        picked = penalized.gather(1, tokens[:, None])[:, 0]
+        ok = ~picked.isnan() & (picked != float("-inf"))
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             rows = torch.tensor(sampled, device=raw.device)
@@ -113,7 +147,7 @@ class Sampler:
         if not bool(ok.all()):
             for i in (~ok).nonzero()[:, 0].tolist():
                 token_list[i] = None
-                errors[i] = _unsamplable(raw[i], seqs[i])
+                errors[i] = _unsamplable(logits[i].float(), ruled[i], seqs[i])
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         want = [
             i

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.finish_reason import FinishReason
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.outputs import ModelRunnerOutput
+from pdserve.engine.outputs import ModelRunnerOutput, RequestError
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode import SpecDecoder
 
@@ -124,6 +124,8 @@ class Scheduler:
             imported = bool(seq.block_table)
             if imported:  # KV imported from another worker: continue from there
                 hits, num_hit_tokens = [], seq.num_computed_tokens
+            elif seq.prompt_logprobs is not None and seq.num_output_tokens == 0:
+                hits, num_hit_tokens = [], 0  # every prompt position's logits are wanted
             else:
                 hits = self.kv_cache.get_computed_blocks(seq)
                 num_hit_tokens = len(hits) * self.kv_cache.block_size
@@ -159,6 +161,8 @@ class Scheduler:
         finished = []
         errors = output.errors or [None] * len(batch.seqs)
         drafts = batch.draft_token_ids
+        for i, prompt_logprobs in (output.prompt_logprobs or {}).items():
+            batch.seqs[i].prompt_logprobs.extend(prompt_logprobs)
         for seq, n, tokens, logprobs, error in zip(
             batch.seqs, batch.num_new_tokens, output.token_ids, output.logprobs, errors, strict=True
         ):
@@ -177,7 +181,12 @@ class Scheduler:
                 continue
             reason = None
             for token, lp in zip(tokens, logprobs, strict=True):
-                seq.append_token(token, lp)
+                try:
+                    seq.append_token(token, lp)
+                except ValueError as refused:  # a sampled token its grammar refuses: a bug
+                    seq.error = RequestError(f"bug in the structured output mask: {refused}")
+                    reason = FinishReason.ERROR
+                    break
                 reason = seq.check_stop(self.config.max_model_len)
                 if reason is not None:
                     break

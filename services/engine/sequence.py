@@ -82,11 +82,19 @@ class Sequence:
     times: RequestTimes = field(default_factory=RequestTimes)
     # Verifications since its last stream message, for the gateway's counters.
     spec_pending: SpecDecodeStats | None = None
+    # With params.structured_outputs: its matcher (a structured_output.GrammarState), which
+    # follows every appended token.
+    grammar: object | None = None
+    # With params.prompt_logprobs, when this engine computes the prompt: the logprobs of
+    # prompt tokens 1.. as computed so far (None: not asked for, or prefilled elsewhere).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +114,14 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        """Record a sampled token (and its logprobs, if the request asked for them)."""
+        """Record a sampled token (and its logprobs, if the request asked for them).
+
+        Raises ValueError, appending nothing, for a token the request's grammar refuses
+        (only a token from outside can be one: sampled ones are masked by it)."""
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            raise ValueError(
+                f"token {token_id} does not follow the request's structured output grammar"
+            )
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
@@ -124,6 +139,8 @@ class Sequence:
                 return FinishReason.STOP
             if last in p.stop_token_ids:
                 return FinishReason.STOP
+        if self.grammar is not None and self.grammar.is_terminated:
+            return FinishReason.STOP  # its grammar is complete: nothing more may follow
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return FinishReason.PREFILLED if self.prefill_only else None

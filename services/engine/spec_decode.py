@@ -109,9 +109,10 @@ class SpecDecoder:
         self._step = 0
 
     def eligible(self, seq: Sequence) -> bool:
-        """Whether ``seq`` may speculate at all: a decode request without penalties (their
-        counts would change inside the step)."""
-        return not seq.prefill_only and not seq.params.has_penalties
+        """Whether ``seq`` may speculate at all: a decode request without penalties or bad
+        words (what they look at would change inside the step)."""
+        p = seq.params
+        return not seq.prefill_only and not p.has_penalties and not p.bad_words_token_ids
 
     def begin_step(self, num_running: int) -> bool:
         """Called once per step: whether this step speculates (the batch-size switch)."""
@@ -147,7 +148,12 @@ class SpecDecoder:
             drafts = self.proposer.propose_all(wanted)
         else:
             drafts = {s.request_id: self.proposer.propose(s.token_ids, r) for s, r in wanted}
-        return {k: v[: rooms[k]] for k, v in drafts.items() if v}
+        drafts = {k: v[: rooms[k]] for k, v in drafts.items() if v}
+        for s, _ in wanted:  # a draft its grammar refuses would be rejected: not proposed
+            if s.grammar is not None and s.request_id in drafts:
+                valid = s.grammar.valid_prefix(drafts[s.request_id])
+                drafts[s.request_id] = drafts[s.request_id][:valid]
+        return {k: v for k, v in drafts.items() if v}
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: counted, and the request's acceptance switch updated."""

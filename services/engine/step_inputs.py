@@ -32,6 +32,9 @@ class PreparedStep:
     # Batch index of each sampled row, in logit_rows order; a sequence with drafts has one
     # row per scored position, in order.
     sample_order: list[int]
+    # Rows whose logits give prompt logprobs: (batch index, first row, its position, rows),
+    # each row the position before a prompt token that request has no logprob of yet.
+    prompt_rows: tuple[tuple[int, int, int, int], ...] = ()
 
 
 class StepInputs:
@@ -97,6 +100,7 @@ class StepInputs:
                 f"exceeds the input buffers ({self.max_tokens} / {self.max_seqs})"
             )
         sampled: list[tuple[int, int]] = []  # (row, batch index)
+        prompt_rows: list[tuple[int, int, int, int]] = []
         for row, i in enumerate(decode):
             seq = seqs[i]
             p = seq.num_computed_tokens
@@ -108,6 +112,8 @@ class StepInputs:
             lens[row] = p + 1
             if p + 1 == seq.num_tokens:  # else a one-token chunk inside a prompt
                 sampled.append((row, i))
+            if seq.prompt_logprobs is not None:
+                _want_prompt_rows(prompt_rows, seq, i, row, p, p + 1)
         pad = slice(len(decode), num_decode)
         ids[pad], pos[pad], slots[pad], lens[pad] = 0, 0, -1, 0
         row = num_decode
@@ -124,6 +130,8 @@ class StepInputs:
                 sampled.extend((row + j, i) for j in range(n))
             else:
                 ids[row : row + n] = seq.token_ids[start:end]
+                if seq.prompt_logprobs is not None:
+                    _want_prompt_rows(prompt_rows, seq, i, row, start, end)
             pos[row : row + n] = p
             slots[row : row + n] = table[p // bs] * bs + p % bs
             tables[num_decode + k, : len(table)] = table
@@ -158,6 +166,7 @@ class StepInputs:
             meta=meta,
             logit_rows=dev["logit_rows"][: len(sampled)],
             sample_order=[i for _, i in sampled],
+            prompt_rows=tuple(prompt_rows),
         )
 
     def _upload(self, num_tokens: int, num_seqs: int, num_prefill: int, num_sampled: int):
@@ -173,3 +182,19 @@ class StepInputs:
             ("logit_rows", num_sampled),
         ):
             self._dev[name][:n].copy_(self._host[name][:n], non_blocking=True)
+
+
+def _want_prompt_rows(
+    out: list[tuple[int, int, int, int]],
+    seq: Sequence,
+    index: int,
+    row: int,
+    start: int,
+    end: int,
+) -> None:
+    """Add the rows of positions [start, end), written from ``row`` on, whose logits give a
+    prompt token's logprob that ``seq`` has not had yet (position p predicts token p + 1)."""
+    first = max(start, len(seq.prompt_logprobs))
+    last = min(end, seq.num_prompt_tokens - 1)
+    if first < last:
+        out.append((index, row + first - start, first, last - first))

@@ -26,7 +26,14 @@ from pdserve.runtime.trust import load_trust
 from pdserve.settings.services import PrefillSettings
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from pdserve.wire.convert import finish_reason_to_proto, logprob_to_proto, sampling_from_proto
-from pdserve.worker.runtime import error_status, serve_engine, start_engine
+from pdserve.worker.grammars import GrammarPreparer
+from pdserve.worker.runtime import (
+    error_status,
+    prepare_grammar,
+    serve_engine,
+    start_engine,
+    start_grammars,
+)
 from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
 logger = logging.getLogger(__name__)
@@ -44,8 +51,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         push_timeout_s: float = 10.0,
         metrics: WorkerMetrics | None = None,
         worker_id: str = "",
+        grammars: GrammarPreparer | None = None,
     ) -> None:
         self.engine = engine
+        self.grammars = grammars
         self.kvstores = kvstores
         self.push_timeout_s = push_timeout_s
         self.layout = layout_to_proto(engine.info.layout)
@@ -74,6 +83,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         prompt = list(request.prompt_token_ids)
         try:
             params = sampling_from_proto(request.params)
+            await prepare_grammar(self.grammars, params, context)
             deltas = []
             async for delta in self.engine.generate(
                 request.request_id, prompt, params, prefill_only=True
@@ -100,6 +110,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if last.logprobs:
             response.first_logprob.CopyFrom(logprob_to_proto(last.logprobs[0]))
+        if deltas[0].prompt_logprobs is not None:
+            response.prompt_logprobs.extend(map(logprob_to_proto, deltas[0].prompt_logprobs))
         return response
 
     async def _push(
@@ -165,9 +177,12 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         resources.push_async_callback(view.close)
     placement = KVStorePlacement(settings.kvstore, view, trust)
     metrics, worker_id = WorkerMetrics(engine, "prefill"), new_worker_id("prefill")
-    servicer = PrefillServicer(engine, placement, settings.kv_push_timeout, metrics, worker_id)
+    grammars = start_grammars(settings, engine, resources)
+    servicer = PrefillServicer(
+        engine, placement, settings.kv_push_timeout, metrics, worker_id, grammars
+    )
     resources.push_async_callback(servicer.kvstores.close)
-    return await serve_engine(
+    serving = await serve_engine(
         settings,
         resources,
         "prefill",
@@ -178,6 +193,8 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         metrics,
         worker_id,
     )
+    grammars.start_warming()
+    return serving
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -64,6 +64,12 @@ class EngineArgs:
         "speculate, prefill workers ignore it; unset: no speculation",
         metavar="JSON",
     )
+    grammar_compile_timeout: float = setting(
+        10.0,
+        "seconds a worker may spend compiling one request's structured output (JSON schema, "
+        "regex, choice or grammar), off the engine thread; past it the request is refused "
+        "(400). Compiled grammars are cached per worker",
+    )
 
     def __post_init__(self) -> None:
         SpeculativeConfig.parse(self.speculative_config)  # refuses a bad field by its name
@@ -91,6 +97,11 @@ class EngineArgs:
             ("--num-threads", self.num_threads, 1),
         ):
             check(value is None or value >= least, f"{flag} must be >= {least}, got {value}")
+        check(
+            self.grammar_compile_timeout > 0,
+            f"--grammar-compile-timeout must be positive seconds, got "
+            f"{self.grammar_compile_timeout}",
+        )
         check(
             self.attention_backend in ("auto", "cpu", "torch", "triton"),
             f"--attention-backend must be auto, cpu, torch or triton, got "

@@ -84,28 +84,64 @@ def hf_greedy(
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does
-    refs = []
-    for prompt in prompts:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                output_scores=True,
-                repetition_penalty=repetition_penalty,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        gaps, best = [], []
-        for step_logits in out.logits if repetition_penalty == 1.0 else out.scores:
-            top2 = step_logits[0].float().topk(2).values
-            gaps.append(float(top2[0] - top2[1]))
-            best.append(float(top2[0]))
-        refs.append(Reference(list(prompt), tokens, gaps, best))
-    return refs
+    return [
+        _generate(model, prompt, max_new_tokens, repetition_penalty=repetition_penalty)
+        for prompt in prompts
+    ]
+
+
+def hf_greedy_structured(
+    model_path: Path, prompts: list[list[int]], max_new_tokens: int, specs
+) -> list[Reference]:
+    """transformers' greedy ``generate`` (float32) under the grammar of ``specs`` (one
+    ``StructuredOutputs`` for every prompt, or a list of one each), masked by xgrammar's own
+    transformers logits processor, stopping at the model's EOS as the engine does. The gaps
+    are those of the masked scores."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    from pdserve.core.model import ModelConfig
+    from pdserve.engine.structured_output import compile_spec
+
+    cfg = ModelConfig.from_dir(model_path)
+    eos = sorted(cfg.eos_token_ids)
+    info = xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(model_path), vocab_size=cfg.vocab_size, stop_token_ids=eos
+    )
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    specs = specs if isinstance(specs, list) else [specs] * len(prompts)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = eos
+    return [
+        _generate(model, p, max_new_tokens, processor=LogitsProcessor(compile_spec(compiler, s)))
+        for p, s in zip(prompts, specs, strict=True)
+    ]
+
+
+def _generate(model, prompt, max_new_tokens, repetition_penalty=1.0, processor=None) -> Reference:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            output_scores=True,
+            repetition_penalty=repetition_penalty,
+            logits_processor=None if processor is None else [processor],
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    gaps, best = [], []
+    plain = repetition_penalty == 1.0 and processor is None
+    for step_logits in out.logits if plain else out.scores:
+        top2 = step_logits[0].float().topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+        best.append(float(top2[0]))
+    return Reference(list(prompt), tokens, gaps, best)
 
 
 def hf_greedy_tokens(model_path: Path, prompts: dict, max_new_tokens: int) -> dict:

@@ -18,7 +18,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "block_keys", "num_prompt_tokens", "num_cached_tokens", "kvstore_address", "layout", "finish_reason", "block_kvstore_addresses")
+    __slots__ = ("first_token_id", "first_logprob", "block_keys", "num_prompt_tokens", "num_cached_tokens", "kvstore_address", "layout", "finish_reason", "block_kvstore_addresses", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class PrefillResponse(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KVSTORE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -37,4 +38,5 @@ class PrefillResponse(_message.Message):
     layout: _common_pb2.BlockLayout
     finish_reason: str
     block_kvstore_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kvstore_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., finish_reason: _Optional[str] = ..., block_kvstore_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kvstore_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., finish_reason: _Optional[str] = ..., block_kvstore_addresses: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -9,7 +9,12 @@ reads back exactly what the gateway checked.
 from __future__ import annotations
 
 from pdserve.core.finish_reason import FinishReason
-from pdserve.core.sampling import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprobs
+from pdserve.core.sampling import (
+    DEFAULT_MAX_TOKENS,
+    SamplingParams,
+    StructuredOutputs,
+    TokenLogprobs,
+)
 from pdserve.v1 import common_pb2
 
 
@@ -33,6 +38,13 @@ def sampling_from_proto(
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty or 1.0,
+        structured_outputs=structured_from_proto(p.structured_outputs)
+        if p.HasField("structured_outputs")
+        else None,
+        logit_bias=dict(p.logit_bias),
+        allowed_token_ids=tuple(p.allowed_token_ids) or None,
+        bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -55,7 +67,33 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         proto.seed = params.seed
     if params.logprobs is not None:
         proto.logprobs = params.logprobs
+    if params.structured_outputs is not None:
+        proto.structured_outputs.CopyFrom(structured_to_proto(params.structured_outputs))
+    proto.logit_bias.update(dict(params.logit_bias))
+    proto.allowed_token_ids.extend(params.allowed_token_ids or ())
+    proto.bad_words.extend(common_pb2.TokenIdList(ids=w) for w in params.bad_words_token_ids)
+    if params.prompt_logprobs is not None:
+        proto.prompt_logprobs = params.prompt_logprobs
     return proto
+
+
+def structured_from_proto(p: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    """A constraint from its message; ValueError when it sets no kind, or a bad one."""
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        raise ValueError(
+            "structured_outputs sets none of json, json_object, regex, choice, grammar"
+        )
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(p.choice.values))
+    return StructuredOutputs(**{kind: getattr(p, kind)})
+
+
+def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    """A constraint as its message."""
+    if s.choice is not None:
+        return common_pb2.StructuredOutputs(choice=common_pb2.StringList(values=s.choice))
+    return common_pb2.StructuredOutputs(**{s.kind: getattr(s, s.kind)})
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprob:

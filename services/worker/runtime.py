@@ -21,10 +21,12 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.controlplane.publisher import RegistryPublisher, publisher_for
+from pdserve.core.sampling import SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineDead
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestError
 from pdserve.engine.prepare_model import resolve_model
+from pdserve.engine.structured_output import GrammarError
 from pdserve.runtime.metrics import metrics_server_address, start_metrics
 from pdserve.runtime.rpc import start_server
 from pdserve.runtime.service import Serving
@@ -32,6 +34,7 @@ from pdserve.runtime.trust import Trust
 from pdserve.settings.process import host_port
 from pdserve.settings.services import DecodeSettings, PrefillSettings
 from pdserve.worker.faults import step_fault
+from pdserve.worker.grammars import GrammarBusy, GrammarPreparer
 from pdserve.worker.telemetry import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,33 @@ def start_engine(
     engine = AsyncEngine(lambda: LLMEngine(args, str(path)), before_step=fault)
     resources.callback(engine.shutdown)
     return engine
+
+
+async def prepare_grammar(
+    grammars: GrammarPreparer | None, params: SamplingParams, context: grpc.aio.ServicerContext
+) -> None:
+    """Compile the request's grammar before the engine takes it; abort the call with
+    INVALID_ARGUMENT for a bad or too slow one, RESOURCE_EXHAUSTED when the compile
+    thread is taken."""
+    if grammars is None:
+        return
+    try:
+        await grammars.prepare(params)
+    except GrammarBusy as error:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    except GrammarError as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+
+def start_grammars(
+    settings: PrefillSettings | DecodeSettings,
+    engine: AsyncEngine,
+    resources: contextlib.AsyncExitStack,
+) -> GrammarPreparer:
+    """The worker's grammar compiler, off the engine thread (stopped with ``resources``)."""
+    grammars = GrammarPreparer(engine.engine.grammars, settings.engine.grammar_compile_timeout)
+    resources.callback(grammars.close)
+    return grammars
 
 
 def engine_publisher(

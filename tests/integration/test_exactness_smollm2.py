@@ -7,6 +7,8 @@ difference must be a genuine near-tie of the reference; they are printed.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
@@ -130,3 +132,50 @@ def test_speculation_matches_transformers(smollm2_path, refs, engine_args):
         mixed = [refs[k % len(refs)].suffix((k * 5) % 48) for k in range(32)]
         _check(llm, mixed, "speculative batch32")
         assert llm.stats().prefix_cache_hits > stats.prefix_cache_hits
+
+
+@pytest.fixture(scope="module")
+def json_refs(smollm2_path):
+    """One chat per schema of pdserve.testing.schemas, asking for it; transformers' greedy
+    output under each JSON schema (xgrammar's logits processor), stopping at EOS."""
+    from transformers import AutoTokenizer
+
+    from pdserve.core.sampling import StructuredOutputs
+    from pdserve.testing.reference import hf_greedy_structured
+    from pdserve.testing.schemas import PROMPTS, SCHEMAS, SUBJECTS
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts, specs = [], []
+    for k, (name, schema) in enumerate(SCHEMAS.items()):
+        text = PROMPTS[name].format(subject=SUBJECTS[k]) + " Answer in JSON."
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        specs.append(StructuredOutputs(json=json.dumps(schema)))
+    refs = hf_greedy_structured(smollm2_path, prompts, JSON_MAX_NEW, specs)
+    return list(zip(specs, refs, strict=True))
+
+
+JSON_MAX_NEW = 80
+
+
+def test_json_schemas_match_transformers(llm, refs, json_refs):
+    """Five schemas' chats beside the unconstrained ones: each constrained output is
+    transformers' under xgrammar's processor, and every one that ended parses as JSON."""
+    params = [
+        SamplingParams(max_tokens=JSON_MAX_NEW, temperature=0, structured_outputs=s)
+        for s, _ in json_refs
+    ]
+    params += [
+        SamplingParams(max_tokens=len(r.tokens), temperature=0, ignore_eos=True) for r in refs
+    ]
+    outs = llm.generate([r.prompt for _, r in json_refs] + [r.prompt for r in refs], params)
+    for k, (out, ref) in enumerate(zip(outs, [r for _, r in json_refs] + refs, strict=True)):
+        tie = compare(out.token_ids, ref)
+        if tie is not None:
+            print(f"[json] request {k}: near-tie at token {tie}, gap {ref.gaps[tie]:.2e}")
+        elif k < len(json_refs) and out.finish_reason == "stop":
+            json.loads(out.text)
+    assert sum(o.finish_reason == "stop" for o in outs[: len(json_refs)]) >= 3
+    llm.check_integrity()
