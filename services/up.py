@@ -211,6 +211,7 @@ def _start(
         model=model,
         max_model_len=settings.engine.max_model_len,
         routing=RoutingSettings(local_prefill_threshold=settings.local_prefill_threshold),
+        openai=settings.openai,
         redis=redis,
         tracing=settings.tracing,
         security=settings.security,

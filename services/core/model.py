@@ -174,7 +174,7 @@ def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int) 
     bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
     if bad is not None:
         raise ValueError(
-            f"prompt token id {bad} is outside the vocabulary: prompt token ids must be "
+            f"prompt token id {bad} is out of vocabulary: prompt token ids must be "
             f"integers in [0, {vocab_size})"
         )
     if len(token_ids) >= max_model_len:

@@ -248,6 +248,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int = 0  # 1 + the tokens more probable than it; 0: not known
 
 
 def _is_int(x: object) -> bool:

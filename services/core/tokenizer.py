@@ -9,6 +9,7 @@ library and `jinja2` only, and does what transformers 5.24's
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -53,6 +54,7 @@ class Tokenizer:
 
     def __init__(self, backend: RustTokenizer, config: dict[str, Any], chat_template: str | None):
         self._backend = backend
+        self._config = config
         self.chat_template = chat_template
         self.special_tokens_map = _special_tokens_map(config)  # what chat templates see
         self.bos_token_id = self._token_id("bos_token")
@@ -81,6 +83,12 @@ class Tokenizer:
         _prepare_backend(backend, config)
         return cls(backend, config, _load_chat_template(path, config))
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with ``template`` instead of the model's chat template;
+        ChatTemplateError when it does not compile."""
+        _compiled(template)
+        return Tokenizer(self._backend, self._config, template)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the post-processor's special tokens if asked."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -93,36 +101,102 @@ class Tokenizer:
                 text = text.replace(old, new)
         return text
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages`, before tokenization."""
+    @property
+    def backend(self) -> RustTokenizer:
+        """The Rust tokenizer, prepared as transformers prepares its fast tokenizer's."""
+        return self._backend
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (transformers' convert_ids_to_tokens)."""
+        return [self._backend.id_to_token(i) or "" for i in token_ids]
+
+    def info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as JSON-safe values (tokenizer_config.json less its
+        file paths, special tokens as text), for vLLM's /tokenizer_info."""
+        out: dict[str, Any] = {}
+        for key, value in self._config.items():
+            if key.endswith("_file") or key == "auto_map":
+                continue
+            if key == "added_tokens_decoder" and isinstance(value, dict):
+                value = {k: _token_content(v) for k, v in value.items()}
+            elif isinstance(value, dict) and "content" in value:
+                value = value["content"]
+            elif key == "model_max_length" and isinstance(value, float):
+                value = int(min(value, 2**63 - 1))
+            out[key] = value
+        out["tokenizer_class"] = str(
+            self._config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        )
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        return out
+
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat template's text for `messages`, before tokenization, as transformers'
+        ``apply_chat_template(..., tokenize=False)`` renders it: ``tools`` and ``documents``
+        and ``template_kwargs`` reach the template; ``continue_final_message`` ends the text
+        with the last message's content, for the model to go on with it."""
         if not messages:
             raise ChatTemplateError("cannot apply a chat template to an empty list of messages")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError(
+                "continue_final_message and add_generation_prompt cannot both be set"
+            )
         chat = [_normalize_message(message) for message in messages]
-        context = dict(tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            if "content" not in (self.chat_template or ""):  # as transformers checks it
+                raise ChatTemplateError(
+                    "continue_final_message is set but the chat template never writes a "
+                    "message's content"
+                )
+            chat[-1] = _tag_final_message(chat[-1])
+        context = {
+            **template_kwargs,
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return self._template.render(messages=chat, **context, **self.special_tokens_map)
+            text = self._template.render(messages=chat, **context, **self.special_tokens_map)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e
+        return _cut_at_tag(text) if continue_final_message else text
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self, messages: list[Message], add_generation_prompt: bool = True, **options: Any
     ) -> list[int]:
-        """Token ids of the chat template applied to `messages`."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+        """Token ids of the chat template applied to `messages` (``options``: those of
+        ``render_chat``)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **options), False)
 
     @cached_property
     def _template(self) -> jinja2.Template:
         # Compiled on first use, as in transformers: a broken template fails requests, not loading.
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
-        try:
-            return _template_environment().from_string(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+        return _compiled(self.chat_template)
 
     def _token_id(self, name: str) -> int | None:
         token = self.special_tokens_map.get(name)
         return None if token is None else self._backend.token_to_id(token)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> jinja2.Template:
+    """A chat template compiled in transformers' sandbox (cached by its text)."""
+    try:
+        return _template_environment().from_string(template)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -223,6 +297,37 @@ def _normalize_message(message: Message) -> Message:
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+# What transformers appends to the final message's text to find where it ends once rendered.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(message: Message) -> Message:
+    """The final message with the continuation tag after its (last) text, as transformers'
+    continue_final_message marks it."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    if isinstance(content, list):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and "text" in part:
+                part["text"] = part["text"] + _CONTINUE_TAG
+                return {**message, "content": parts}
+    raise ChatTemplateError("continue_final_message is set but the final message has no text")
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered chat up to the final message's end (the tag's place)."""
+    tag = _CONTINUE_TAG.strip()
+    at = text.rfind(tag)
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message is set but the chat template does not write the final "
+            "message's text"
+        )
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 class _GenerationTag(jinja2.ext.Extension):

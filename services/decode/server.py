@@ -30,7 +30,9 @@ import grpc
 from pdserve.controlplane.registry import new_worker_id
 from pdserve.controlplane.view import RegistryView
 from pdserve.core.finish_reason import FinishReason
+from pdserve.core.sampling import SamplingParams
 from pdserve.core.spec_stats import SpecDecodeStats
+from pdserve.decode.kvstores import KnownKVStores
 from pdserve.engine.async_engine import AsyncEngine, EngineDead, Handover
 from pdserve.kv.blocks import FetchedBlocks, LayoutMismatch, show_key, tail_key
 from pdserve.kv.client import KVStoreClient
@@ -52,50 +54,15 @@ from pdserve.worker.runtime import (
     prepare_grammar,
     serve_engine,
     start_engine,
-    start_grammars,
 )
 from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Decode"
-_MAX_SEEN_KVSTORES = 4096
-
-
-class KnownKVStores:
-    """The kvstores a decode worker may fetch from: ``--kvstore``, and every replica the
-    registry has listed while it ran (one that left since costs a recompute, not the
-    request)."""
-
-    def __init__(self, static: Sequence[str], view: RegistryView | None = None) -> None:
-        self.static = frozenset(static)
-        self.view = view
-        self._seen: dict[str, None] = {}  # an ordered set, oldest first
-
-    def _known(self) -> set[str]:
-        if self.view is not None:
-            for replica in self.view.workers("kvstore"):
-                self._seen.pop(replica.address, None)
-                self._seen[replica.address] = None
-            while len(self._seen) > _MAX_SEEN_KVSTORES:
-                del self._seen[next(iter(self._seen))]
-        return {*self.static, *self._seen}
-
-    async def unknown(self, addresses: set[str]) -> list[str]:
-        """Those of ``addresses`` that are no kvstore this worker knows, sorted; the registry
-        is read again first when one is new to it (a replica that has just joined)."""
-        strangers = addresses - self._known()
-        if strangers and self.view is not None:
-            await self.view.refresh()
-            strangers = addresses - self._known()
-        return sorted(strangers)
-
-    def describe(self) -> str:
-        """Where this worker's kvstores come from, for an error."""
-        sources = [f"--kvstore {', '.join(sorted(self.static))}"] if self.static else []
-        if self.view is not None:
-            sources.append("the replicas registered in --redis-url")
-        return " and ".join(sources) or "none: pass --kvstore HOST:PORT or --redis-url"
+# While a request is prepared (its grammar compiled), an empty message every this many
+# seconds: well inside any gateway's --stream-idle-timeout.
+HEARTBEAT_S = 0.5
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -291,7 +258,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             params = sampling_from_proto(request.params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        await prepare_grammar(self.grammars, params, context)
+        async for heartbeat in self._prepare(params, context):
+            yield heartbeat
         handover = await self._handover(request, context, record)
         prompt = list(request.prompt_token_ids)
         try:
@@ -314,6 +282,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _prepare(
+        self, params: SamplingParams, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """Compile the request's grammar, sending an empty message every HEARTBEAT_S while
+        it takes (loading xgrammar, a slow schema): the gateway then knows the worker lives,
+        within its --stream-idle-timeout."""
+        task = asyncio.ensure_future(prepare_grammar(self.grammars, params, context))
+        try:
+            while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
+                yield decode_pb2.DecodeResponse()
+            task.result()  # the call aborted with the grammar's error, if any
+        finally:
+            task.cancel()
 
     async def Stat(
         self, request: decode_pb2.DecodeStatRequest, context: grpc.aio.ServicerContext
@@ -352,7 +334,7 @@ def spec_to_proto(spec: SpecDecodeStats | None) -> decode_pb2.SpecDecodeCounts |
 async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """Load the engine and serve it."""
     trust = load_trust(settings.security)  # a bad file stops the start before the model loads
-    engine = start_engine(settings, resources)
+    engine, grammars = start_engine(settings, resources)
     view = None
     redis = settings.registry.redis
     if redis.redis_url:
@@ -361,12 +343,11 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         resources.push_async_callback(view.close)
     kvstores = KnownKVStores(settings.kvstore, view)
     metrics, worker_id = WorkerMetrics(engine, "decode"), new_worker_id("decode")
-    grammars = start_grammars(settings, engine, resources)
     servicer = DecodeServicer(
         engine, kvstores, trust, settings.kv_fetch_timeout, metrics, worker_id, grammars
     )
     resources.push_async_callback(servicer.close)
-    serving = await serve_engine(
+    return await serve_engine(
         settings,
         resources,
         "decode",
@@ -377,8 +358,6 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         metrics,
         worker_id,
     )
-    grammars.start_warming()
-    return serving
 
 
 def main(argv: Sequence[str] | None = None) -> int:

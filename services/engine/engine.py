@@ -32,7 +32,11 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The model engine shared by prefill and decode workers; it knows nothing of gRPC."""
 
-    def __init__(self, args: EngineArgs, model_path: str) -> None:
+    def __init__(
+        self, args: EngineArgs, model_path: str, grammars: GrammarCompiler | None = None
+    ) -> None:
+        """``grammars``: the structured output compiler to use (a worker's, loading while
+        the model does); default: one of its own, loaded on first use."""
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -76,8 +80,7 @@ class LLMEngine:
             self.kv_cache,
             self.spec,
         )
-        # Structured outputs: xgrammar loads on the first constrained request (or warm()).
-        self.grammars = GrammarCompiler(cfg.path, cfg.vocab_size, cfg.eos_token_ids)
+        self.grammars = grammars or GrammarCompiler(cfg.path, cfg.vocab_size, cfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # prefilled, blocks kept for export
         self._importing: dict[str, Sequence] = {}  # prefix held, waiting for fetched blocks

@@ -256,7 +256,9 @@ def _top_p_by_sort(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def token_logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
     """Logprobs of each row's chosen token and its top ``top_n[r]`` (raw: [R, vocab])."""
     lp = torch.log_softmax(raw, dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    chosen_t = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])
+    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     n = max(top_n)
     top_values, top_ids = lp.topk(n, dim=-1) if n else (None, None)
     values = top_values.tolist() if n else [[]] * len(tokens)
@@ -266,6 +268,7 @@ def token_logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> li
             token_id=t,
             logprob=c,
             top=dict(zip(ids[r][: top_n[r]], values[r][: top_n[r]], strict=True)),
+            rank=ranks[r],
         )
         for r, (t, c) in enumerate(zip(tokens, chosen, strict=True))
     ]

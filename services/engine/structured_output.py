@@ -62,12 +62,8 @@ class GrammarCompiler:
 
     def _make_compiler(self) -> Any:
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
-        )
+        info = tokenizer_info(self.tokenizer_dir, self.vocab_size, self.stop_token_ids)
         logger.info("structured outputs: xgrammar loaded for %s", self.tokenizer_dir.name)
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
@@ -99,6 +95,36 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         return GrammarState(xgr.GrammarMatcher(self.compile(spec)))
+
+
+def tokenizer_info(tokenizer_dir: Path, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    """xgrammar's TokenizerInfo of a checkpoint's tokenizer, as ``from_huggingface`` makes
+    it from transformers' fast tokenizer, made from the same Rust tokenizer without loading
+    transformers' (a second or two and a hundred MiB per worker)."""
+    import xgrammar as xgr
+
+    from pdserve.core.tokenizer import Tokenizer
+
+    backend = Tokenizer.from_dir(tokenizer_dir).backend
+    vocab = backend.get_vocab(with_added_tokens=True)
+    encoded = [""] * vocab_size
+    for token, index in vocab.items():
+        if index < vocab_size:
+            encoded[index] = token
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    from_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    if from_vocab is not None and from_vocab != metadata["vocab_type"]:
+        raise GrammarError(
+            f"the tokenizer of {tokenizer_dir.name} is of a kind pdserve cannot describe to "
+            "xgrammar (its vocabulary and its pipeline disagree)"
+        )
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids or None,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
 
 
 def compile_spec(compiler: Any, spec: StructuredOutputs) -> Any:

@@ -48,17 +48,21 @@ async def generate(
     does closing the iterator or cancelling its consumer. ``telemetry``: the request this
     is a choice of (its clock, span and metrics).
     """
-    detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
-    stop = StopChecker(list(request.stop))
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, request.prompt_token_ids, request.skip_special_tokens
+    )
+    stop = StopChecker(list(request.stop), include=request.include_stop_str_in_output)
     usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))
     clock = telemetry.choice()
-    last, reason = None, None
+    last, reason, last_token = None, None, None
     moves: list[str] = []
     events = orchestrator.generate(
         request.request_id, request.prompt_token_ids, request.params, moves, telemetry.span
     )
     async with aclosing(events):
         async for event in events:
+            if event.token_ids:
+                last_token = event.token_ids[-1]
             if event.token_ids:
                 clock.tokens()
             usage.completion_tokens += len(event.token_ids)
@@ -75,12 +79,17 @@ async def generate(
             )
             if request.wants_logprobs:
                 chunk.logprobs.extend(event.logprobs)
+            chunk.prompt_logprobs.extend(event.prompt_logprobs)  # on the first with tokens
             if stopped or upstream:
                 reason = FinishReason.STOP if stopped else upstream
                 chunk.finish_reason = finish_reason_to_proto(reason)
+                if stop.matched is not None:
+                    chunk.stop_string = stop.matched
+                elif reason is FinishReason.STOP and last_token in request.params.stop_token_ids:
+                    chunk.stop_token_id = last_token
                 last = chunk
                 break  # leaving `async with` cancels the decode call if it still runs
-            if chunk.token_ids or chunk.text:
+            if chunk.token_ids or chunk.text or chunk.prompt_logprobs:
                 yield chunk
     if last is None:
         raise WorkerProtocolError(f"request {request.request_id} ended without a finish_reason")

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pdserve.gateway.openai_protocol import APIError
+from pdserve.gateway.openai_errors import APIError
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_CLIENT_ID_CHARS = 256  # of an x-request-id kept to echo and log

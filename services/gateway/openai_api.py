@@ -11,17 +11,17 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission, Overloaded
+from pdserve.gateway.chat_reply import ChatOptions, ChatReply
 from pdserve.gateway.generation import REQUEST_ERRORS, generate_many
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.middleware import (
@@ -29,26 +29,32 @@ from pdserve.gateway.middleware import (
     BodyLimitMiddleware,
     RequestIdMiddleware,
 )
+from pdserve.gateway.openai_errors import APIError, api_error_of, validation_message
+from pdserve.gateway.openai_params import (
+    COMPLETION_MAX_TOKENS,
+    Prompt,
+    chat_prompt,
+    choices,
+    completion_prompts,
+    logprobs_asked,
+    sampling,
+    truncated,
+)
 from pdserve.gateway.openai_protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    api_error_of,
-    validation_message,
+    OpenAIBase,
 )
-from pdserve.gateway.openai_reply import Reply
+from pdserve.gateway.openai_reply import ChoiceInput, CompletionReply, ReplyOptions
+from pdserve.gateway.openai_tools import ToolMode, tool_mode
 from pdserve.gateway.orchestrator import Orchestrator
-from pdserve.gateway.requests import (
-    InvalidRequest,
-    ModelLimits,
-    PreparedRequest,
-    check_prompt_length,
-    prepare,
-)
+from pdserve.gateway.requests import ModelLimits, PreparedRequest
 from pdserve.gateway.telemetry import RequestTelemetry, request_attributes
+from pdserve.gateway.tokenize_api import add_tokenize_routes
 from pdserve.runtime import tracing
 from pdserve.runtime.metrics import CONTENT_TYPE, exposition
-from pdserve.v1 import common_pb2, gateway_pb2
+from pdserve.settings.services import OpenAISettings
+from pdserve.v1 import gateway_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +77,7 @@ class Served:
     admission: Admission = field(default_factory=lambda: Admission(256, 512, 30.0))
     send_timeout_s: float = 30.0
     metrics: GatewayMetrics | None = None  # None: a registry of this app's own
+    openai: OpenAISettings = field(default_factory=OpenAISettings)
 
 
 def create_app(served: Served) -> FastAPI:
@@ -130,29 +137,53 @@ def create_app(served: Served) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
+    def check_model(model: str | None) -> None:
+        if model and model != served.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{served.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_fields(body: OpenAIBase) -> None:
+        unknown = _unknown_fields(body)
+        if not unknown:
+            return
+        if served.openai.allow_unknown_fields:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+            return
+        raise APIError(
+            400,
+            f"unknown field(s): {', '.join(unknown)}. pdserve serves the fields of OpenAI's "
+            "and vLLM's APIs (docs/openai.md); --allow-unknown-fields ignores others",
+            param=unknown[0],
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        messages = [gateway_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
-        proto = gateway_pb2.GenerateRequest(messages=gateway_pb2.ChatMessages(messages=messages))
-        return await _complete(served, registry, body, proto, request, chat=True)
+        check_model(body.model)
+        check_fields(body)
+        return await _complete(served, registry, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if isinstance(body.prompt, str):
-            proto = gateway_pb2.GenerateRequest(prompt=body.prompt)
-        else:
-            try:  # before the ids are copied into a message
-                check_prompt_length(len(body.prompt), served.limits)
-            except InvalidRequest as error:
-                raise APIError(400, str(error), param="prompt") from None
-            try:
-                ids = gateway_pb2.TokenIds(ids=body.prompt)
-            except ValueError:  # past the proto's uint32; prepare names the vocabulary size
-                raise APIError(400, "prompt: a token id is out of range", param="prompt") from None
-            proto = gateway_pb2.GenerateRequest(prompt_token_ids=ids)
-        return await _complete(served, registry, body, proto, request, chat=False)
+        check_model(body.model)
+        check_fields(body)
+        return await _complete(served, registry, body, request)
 
+    add_tokenize_routes(app, served, check_model, check_fields)
     return app
+
+
+def _unknown_fields(body: OpenAIBase) -> list[str]:
+    """Top-level fields of ``body`` (and of its options objects) that no API defines."""
+    unknown = body.unknown_fields()
+    for name in ("stream_options", "structured_outputs", "response_format"):
+        part = getattr(body, name, None)
+        if isinstance(part, OpenAIBase):
+            unknown += [f"{name}.{k}" for k in part.unknown_fields()]
+    return unknown
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -168,19 +199,9 @@ async def _complete(
     served: Served,
     metrics: GatewayMetrics,
     body: ChatCompletionRequest | CompletionRequest,
-    proto: gateway_pb2.GenerateRequest,
     request: Request,
-    chat: bool,
 ) -> Response:
-    if body.model != served.model_name:
-        raise APIError(
-            404,
-            f"The model `{body.model}` does not exist; this server serves `{served.model_name}`.",
-            param="model",
-            code="model_not_found",
-        )
     request_id = request.state.request_id
-    proto.request_id = request.state.client_request_id
     telemetry = RequestTelemetry(
         metrics,
         tracing.from_headers(request.headers),
@@ -191,7 +212,7 @@ async def _complete(
         ),
     )
     try:
-        response = await _run(served, body, proto, request, chat, telemetry)
+        response = await _run(served, body, request, telemetry)
     except BaseException as error:
         telemetry.end(error)
         raise
@@ -203,24 +224,16 @@ async def _complete(
 async def _run(
     served: Served,
     body: ChatCompletionRequest | CompletionRequest,
-    proto: gateway_pb2.GenerateRequest,
     request: Request,
-    chat: bool,
     telemetry: RequestTelemetry,
 ) -> Response:
     request_id = request.state.request_id
+    if body.request_id is None and request.state.client_request_id:
+        body.request_id = request.state.client_request_id
     # Tokenizing and chat templating are CPU work: not on the loop that serves every client.
     with telemetry.phase("tokenize"):
-        requests = await asyncio.to_thread(_prepare_choices, served, body, proto, request_id)
+        requests, reply = await asyncio.to_thread(_prepare, served, body, request_id)
     telemetry.prepared(requests[0].params, len(requests[0].prompt_token_ids), len(requests))
-    reply = Reply(
-        id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
-        model=served.model_name,
-        created=int(time.time()),
-        chat=chat,
-        return_token_ids=body.return_token_ids,
-        tokenizer=served.tokenizer if _logprobs_asked(body) is not None else None,
-    )
     admission = served.admission
     with telemetry.phase("admission"):
         began = time.perf_counter()
@@ -229,21 +242,84 @@ async def _run(
     try:
         chunks = generate_many(served.orchestrator, served.tokenizer, requests, telemetry)
         if not body.stream:
-            result = await _unless_disconnected(request, reply.whole(chunks, len(requests)))
+            result = await _unless_disconnected(request, reply.whole(chunks))
             return JSONResponse(result)
         # The first message before the headers: an unreachable worker is then a 503, not
         # an error event inside a 200 stream.
         first = await _unless_disconnected(request, _first(chunks))
         if not first:
             return Response(status_code=499)  # the client left; nobody reads this
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = reply.sse(_prepend(first, chunks), len(requests), include_usage)
+        events = reply.sse(_prepend(first, chunks))
         response = _HeldStream(events, admission, chunks, served.send_timeout_s, telemetry)
         admission = None  # the stream releases the slot
         return response
     finally:
         if admission is not None:
             admission.release()
+
+
+def _prepare(
+    served: Served, body: ChatCompletionRequest | CompletionRequest, request_id: str
+) -> tuple[list[PreparedRequest], ChatReply | CompletionReply]:
+    """The request's choices, and the reply that will answer it."""
+    limits, tokenizer, options = served.limits, served.tokenizer, served.openai
+    mode = None
+    if isinstance(body, ChatCompletionRequest):
+        mode = tool_mode(body, options.tool_call_parser, options.enable_auto_tool_choice)
+        prompts = [truncated(chat_prompt(body, tokenizer), body, limits)]
+        default = None
+    else:
+        prompts = completion_prompts(body, tokenizer, limits, options.max_prompts)
+        prompts = [truncated(p, body, limits) for p in prompts]
+        default = COMPLETION_MAX_TOKENS
+    params = sampling(body, tokenizer, limits, mode)
+    prepared = choices(prompts, params, body, tokenizer, limits, request_id, default)
+    return prepared, _reply(served, body, prompts, prepared, mode, request_id)
+
+
+def _reply(
+    served: Served,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompts: list[Prompt],
+    prepared: list[PreparedRequest],
+    mode: ToolMode | None,
+    request_id: str,
+) -> ChatReply | CompletionReply:
+    chat = mode is not None
+    stream = body.stream_options
+    force = served.openai.enable_force_include_usage and bool(body.stream)
+    include = force or bool(stream and stream.include_usage)
+    as_ids = body.return_tokens_as_token_ids
+    options = ReplyOptions(
+        id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        model=served.model_name,
+        created=int(time.time()),
+        tokenizer=served.tokenizer,
+        choices=[ChoiceInput(p.token_ids, p.text) for p in prompts for _ in range(body.n)],
+        n=body.n,
+        top_logprobs=logprobs_asked(body),
+        prompt_logprobs=body.prompt_logprobs is not None,
+        echo=body.echo and not chat,
+        drop_output=not chat and body.max_tokens == 0,
+        return_token_ids=bool(body.return_token_ids),
+        tokens_as_ids=served.openai.return_tokens_as_token_ids if as_ids is None else as_ids,
+        prompt_tokens_details=served.openai.enable_prompt_tokens_details,
+        include_usage=include,
+        continuous_usage=include and (force or bool(stream and stream.continuous_usage_stats)),
+    )
+    if not chat:
+        return CompletionReply(options)
+    return ChatReply(options, ChatOptions(mode, _echo_text(body)))
+
+
+def _echo_text(body: ChatCompletionRequest) -> str:
+    """Chat echo (vLLM's): the last message's content, when it is the assistant's."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)
 
 
 async def _first(
@@ -318,69 +394,6 @@ class _HeldStream(StreamingResponse):
             finally:
                 self._admission.release()
                 self._telemetry.end()
-
-
-def _prepare_choices(
-    served: Served,
-    body: ChatCompletionRequest | CompletionRequest,
-    proto: gateway_pb2.GenerateRequest,
-    request_id: str,
-) -> list[PreparedRequest]:
-    """One prepared request per choice; a seeded choice i samples with seed + i."""
-    if body.n > served.limits.max_n:
-        raise APIError(
-            400, f"n is {body.n}; at most {served.limits.max_n} choices are allowed", param="n"
-        )
-    max_tokens = body.max_tokens
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
-    try:
-        proto.params.CopyFrom(
-            common_pb2.SamplingParams(
-                max_tokens=max_tokens or 0,  # 0: the gateway's default
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_k=body.top_k or 0,
-                top_p=body.top_p or 0,
-                min_p=body.min_p or 0,
-                presence_penalty=body.presence_penalty or 0,
-                frequency_penalty=body.frequency_penalty or 0,
-                repetition_penalty=body.repetition_penalty or 0,  # 0: unset -> 1.0 (off)
-                ignore_eos=body.ignore_eos,
-            )
-        )
-        if body.seed is not None:
-            proto.params.seed = body.seed
-        top_n = _logprobs_asked(body)
-        if top_n is not None:
-            proto.params.logprobs = top_n
-        proto.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
-    except ValueError as error:  # a value outside the proto's range
-        raise APIError(400, f"a parameter is out of range: {error}") from None
-    try:
-        first = prepare(proto, served.tokenizer, served.limits, request_id=f"{request_id}-0")
-    except InvalidRequest as error:
-        raise APIError(400, str(error), param=_param_of(str(error), body)) from None
-    choices = [first]
-    for i in range(1, body.n):
-        params = common_pb2.SamplingParams()
-        params.CopyFrom(first.params)
-        if body.seed is not None:
-            params.seed = body.seed + i
-        choices.append(replace(first, request_id=f"{request_id}-{i}", params=params))
-    return choices
-
-
-def _logprobs_asked(body: ChatCompletionRequest | CompletionRequest) -> int | None:
-    """Top-n logprobs per token the client asked for, or None for no logprobs."""
-    if isinstance(body, ChatCompletionRequest):
-        return (body.top_logprobs or 0) if body.logprobs else None
-    return body.logprobs
-
-
-def _param_of(message: str, body: BaseModel) -> str | None:
-    """The field an InvalidRequest names first ("temperature must be ..."), if it is a field."""
-    word = message.split(maxsplit=1)[0] if message else ""
-    return word if word in type(body).model_fields else None
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:

@@ -424,6 +424,7 @@ def first_token_event(prefill: prefill_pb2.PrefillResponse) -> decode_pb2.Decode
         token_ids=[prefill.first_token_id],
         finish_reason=prefill.finish_reason,
         num_cached_tokens=prefill.num_cached_tokens,
+        prompt_logprobs=prefill.prompt_logprobs,
     )
     if prefill.HasField("first_logprob"):
         event.logprobs.append(prefill.first_logprob)

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from pdserve.core.model import check_prompt
-from pdserve.core.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from pdserve.core.sampling import MAX_LOGPROBS
 from pdserve.core.tokenizer import ChatTemplateError, Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2
 from pdserve.wire.convert import sampling_from_proto, sampling_to_proto
@@ -35,6 +35,8 @@ class PreparedRequest:
     params: common_pb2.SamplingParams  # proto3 defaults resolved into explicit values
     stop: tuple[str, ...]
     client_request_id: str = ""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def wants_logprobs(self) -> bool:
@@ -53,7 +55,7 @@ class ModelLimits:
 
     max_model_len: int
     vocab_size: int
-    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    max_tokens_default: int | None = None  # None: the rest of the context
     max_n: int = 16
     max_stop: int = 16
     max_stop_chars: int = 1024
@@ -70,12 +72,15 @@ def prepare(
     tokenizer: Tokenizer,
     limits: ModelLimits,
     request_id: str | None = None,
+    max_tokens_default: int | None = None,
 ) -> PreparedRequest:
     """Check and tokenize ``request``; raise InvalidRequest if it cannot be served.
 
     ``request_id``: the gateway's id for it (default: a new one); the request's own
-    ``request_id`` is kept only as ``client_request_id``. Tokenizing is CPU work: callers
-    on an event loop run this in a thread.
+    ``request_id`` is kept only as ``client_request_id``. An unset max_tokens takes
+    ``max_tokens_default`` (None: the rest of the context), capped by the context and by
+    ``limits.max_tokens_default``. Tokenizing is CPU work: callers on an event loop run
+    this in a thread.
     """
     check_bounds(request, limits)
     prompt_token_ids = prompt_tokens(request, tokenizer, limits)
@@ -90,8 +95,9 @@ def prepare(
                 f"({len(prompt_token_ids)} in the prompt, {asked} in the completion). "
                 "Please reduce the length of the prompt or max_tokens."
             )
-        # An unset max_tokens takes the default, or what room the context leaves.
-        params = sampling_from_proto(request.params, min(limits.max_tokens_default, room))
+        defaults = (room, max_tokens_default, limits.max_tokens_default)
+        params = sampling_from_proto(request.params, min(d for d in defaults if d is not None))
+        check_token_ids(params.token_ids_used(), limits.vocab_size)
     except ValueError as error:
         raise InvalidRequest(str(error)) from None
     return PreparedRequest(
@@ -100,7 +106,20 @@ def prepare(
         params=sampling_to_proto(params),
         stop=tuple(request.stop),
         client_request_id=request.request_id,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=(
+            request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        ),
     )
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Refuse a token id the sampling parameters name that is outside the vocabulary."""
+    for token in token_ids:
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"token id {token} is out of vocabulary: the model's ids are 0 to {vocab_size - 1}"
+            )
 
 
 def check_bounds(request: gateway_pb2.GenerateRequest, limits: ModelLimits) -> None:

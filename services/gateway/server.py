@@ -16,13 +16,14 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
+from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.controlplane.view import RegistryView
 from pdserve.core.model import ModelConfig, locate_model
-from pdserve.core.tokenizer import Tokenizer
+from pdserve.core.tokenizer import ChatTemplateError, Tokenizer
 from pdserve.gateway.admission import Admission, Overloaded
 from pdserve.gateway.generation import REQUEST_ERRORS, generate
 from pdserve.gateway.http import HttpServer
@@ -269,6 +270,7 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     taken port stops the start before anything else) and the gRPC server."""
     trust = load_trust(settings.security)
     path = locate_model(settings.model)
+    tokenizer = load_tokenizer(path, settings.openai.chat_template)
     config = ModelConfig.from_dir(path)
     limits = ModelLimits(
         max_model_len=config.max_model_len(settings.max_model_len),
@@ -280,7 +282,6 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         max_logprobs=settings.max_logprobs,
     )
     logger.info("model %s; limits %s", path, limits)
-    tokenizer = Tokenizer.from_dir(path)
     orchestrator = Orchestrator(
         await _router(settings, config.fingerprint, resources),
         settings.disaggregation,
@@ -350,10 +351,31 @@ async def _start_http(
         admission=metrics.admission,
         send_timeout_s=settings.send_timeout,
         metrics=metrics,
+        openai=settings.openai,
     )
     return await HttpServer.start(
         create_app(served), settings.server.host, settings.http_port, settings.server.drain_timeout
     )
+
+
+def load_tokenizer(path: Path, chat_template: str | None) -> Tokenizer:
+    """The model's tokenizer, with --chat-template's template (a file's text, or the value
+    itself when it is a Jinja template) instead of its own; ValueError (a bad start) when
+    it is neither, or does not compile."""
+    tokenizer = Tokenizer.from_dir(path)
+    if chat_template is None:
+        return tokenizer
+    file = Path(chat_template).expanduser()
+    if file.is_file():
+        text = file.read_text(encoding="utf-8")
+    elif "{" in chat_template:
+        text = chat_template
+    else:
+        raise ValueError(f"--chat-template: {chat_template} is no file (nor a Jinja template)")
+    try:
+        return tokenizer.with_chat_template(text)
+    except ChatTemplateError as error:
+        raise ValueError(f"--chat-template: {error}") from None
 
 
 async def _router(

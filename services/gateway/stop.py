@@ -12,21 +12,26 @@ class StopChecker:
     tie), and is not emitted, so the output does not depend on how the text was chunked.
     """
 
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], include: bool = False) -> None:
+        """``include``: the stop string that ends the text is part of it (vLLM's
+        include_stop_str_in_output)."""
         self._stop = sorted({s for s in stop if s}, key=len, reverse=True)
+        self._include = include
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, new_text: str) -> tuple[str, bool]:
         """Add streamed text; return (text safe to emit now, whether a stop string hit)."""
         if self.stopped:
             return "", True
         text = self._held + new_text
-        cut = self._first_stop(text)
-        if cut is not None:
+        hit = self._first_stop(text)
+        if hit is not None:
+            cut, self.matched = hit
             self._held = ""
             self.stopped = True
-            return text[:cut], True
+            return text[: cut + len(self.matched) if self._include else cut], True
         keep = self._partial_tail(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
@@ -38,14 +43,14 @@ class StopChecker:
         text, self._held = self._held, ""
         return text
 
-    def _first_stop(self, text: str) -> int | None:
-        """Where the first completed stop string in ``text`` starts, or None."""
-        best: tuple[int, int] | None = None  # (end, start)
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """Where the first completed stop string in ``text`` starts, and which, or None."""
+        best: tuple[int, int, str] | None = None  # (end, start, string)
         for s in self._stop:
             start = text.find(s)
-            if start >= 0 and (best is None or (start + len(s), start) < best):
-                best = (start + len(s), start)
-        return None if best is None else best[1]
+            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                best = (start + len(s), start, s)
+        return None if best is None else (best[1], best[2])
 
     def _partial_tail(self, text: str) -> int:
         """The length of the longest tail of ``text`` that some stop string starts with."""

@@ -32,7 +32,6 @@ from pdserve.worker.runtime import (
     prepare_grammar,
     serve_engine,
     start_engine,
-    start_grammars,
 )
 from pdserve.worker.telemetry import RequestRecord, WorkerMetrics, request_attributes
 
@@ -168,7 +167,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """Load the engine, find the kvstore(s), serve."""
     trust = load_trust(settings.security)  # a bad file stops the start before the model loads
-    engine = start_engine(settings, resources)
+    engine, grammars = start_engine(settings, resources)
     view = None
     if not settings.kvstore:
         redis = settings.registry.redis
@@ -177,12 +176,11 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         resources.push_async_callback(view.close)
     placement = KVStorePlacement(settings.kvstore, view, trust)
     metrics, worker_id = WorkerMetrics(engine, "prefill"), new_worker_id("prefill")
-    grammars = start_grammars(settings, engine, resources)
     servicer = PrefillServicer(
         engine, placement, settings.kv_push_timeout, metrics, worker_id, grammars
     )
     resources.push_async_callback(servicer.kvstores.close)
-    serving = await serve_engine(
+    return await serve_engine(
         settings,
         resources,
         "prefill",
@@ -193,8 +191,6 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         metrics,
         worker_id,
     )
-    grammars.start_warming()
-    return serving
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pdserve.core.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from pdserve.core.sampling import MAX_LOGPROBS
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.flags import check, setting
 from pdserve.settings.process import (
@@ -200,6 +200,57 @@ class RoutingSettings:
         )
 
 
+# vLLM's --tool-call-parser names that the gateway parses (pdserve.gateway.tool_parsers).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+
+
+@dataclass(frozen=True)
+class OpenAISettings:
+    """What the OpenAI REST API accepts beyond the defaults (vLLM's flags of the same names)."""
+
+    GROUP: ClassVar[str] = "openai api"
+
+    enable_auto_tool_choice: bool = setting(
+        False,
+        "tool_choice auto (the default when a request sends tools): the output is parsed for "
+        "tool calls with --tool-call-parser; off: such requests are refused (400). "
+        "tool_choice required or a named function needs neither: a grammar makes the calls",
+    )
+    tool_call_parser: str | None = setting(
+        None, "how tool calls are written in the model's output", choices=TOOL_CALL_PARSERS
+    )
+    chat_template: str | None = setting(
+        None,
+        "a chat template (a file, or the Jinja text itself) used instead of the model's own, "
+        "e.g. one that renders tools for a model whose template ignores them",
+    )
+    allow_unknown_fields: bool = setting(
+        False,
+        "accept request fields that neither OpenAI nor vLLM define (logged and ignored); off: "
+        "400 naming them",
+    )
+    return_tokens_as_token_ids: bool = setting(
+        False, 'logprobs name each token "token_id:N" (a request may ask for it too)'
+    )
+    enable_prompt_tokens_details: bool = setting(
+        False, "usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)"
+    )
+    enable_force_include_usage: bool = setting(
+        False, "every stream carries usage in each chunk, whatever stream_options says"
+    )
+    enable_tokenizer_info_endpoint: bool = setting(
+        False, "serve GET /tokenizer_info (the tokenizer's configuration and chat template)"
+    )
+    max_prompts: int = setting(64, "most prompts one /v1/completions request may batch")
+
+    def __post_init__(self) -> None:
+        check(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})",
+        )
+        check(self.max_prompts >= 1, f"--max-prompts must be at least 1, got {self.max_prompts}")
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """Where the gateway listens, which workers it sends to, and its limits."""
@@ -232,8 +283,10 @@ class GatewaySettings:
     max_model_len: int | None = setting(
         None, "longest prompt + output in tokens (default: the model's limit)"
     )
-    max_tokens_default: int = setting(
-        DEFAULT_MAX_TOKENS, "max_tokens of a request that leaves it unset"
+    max_tokens_default: int | None = setting(
+        None,
+        "the most tokens a request that leaves max_tokens unset generates; unset: as vLLM, "
+        "chat and gRPC requests the rest of the context, completions 16 (OpenAI's default)",
     )
     prefill_timeout: float = setting(60.0, "seconds a Prefill call may take")
     decode_timeout: float = setting(600.0, "seconds a Decode stream may take")
@@ -279,6 +332,7 @@ class GatewaySettings:
     max_logprobs: int = setting(
         MAX_LOGPROBS, f"most top logprobs per token a request may ask for (0 to {MAX_LOGPROBS})"
     )
+    openai: OpenAISettings = setting(default_factory=OpenAISettings)
     routing: RoutingSettings = setting(default_factory=RoutingSettings)
     redis: RedisSettings = setting(default_factory=RedisSettings)
     tracing: TracingSettings = setting(default_factory=TracingSettings)
@@ -319,7 +373,7 @@ class GatewaySettings:
             f"--max-model-len must be at least 2, got {self.max_model_len}",
         )
         check(
-            self.max_tokens_default >= 1,
+            self.max_tokens_default is None or self.max_tokens_default >= 1,
             f"--max-tokens-default must be at least 1, got {self.max_tokens_default}",
         )
         check(

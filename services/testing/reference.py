@@ -91,7 +91,7 @@ def hf_greedy(
 
 
 def hf_greedy_structured(
-    model_path: Path, prompts: list[list[int]], max_new_tokens: int, specs
+    model_path: Path, prompts: list[list[int]], max_new_tokens: int, specs, **generate_kwargs
 ) -> list[Reference]:
     """transformers' greedy ``generate`` (float32) under the grammar of ``specs`` (one
     ``StructuredOutputs`` for every prompt, or a list of one each), masked by xgrammar's own
@@ -115,12 +115,20 @@ def hf_greedy_structured(
     model.eval()
     model.generation_config.eos_token_id = eos
     return [
-        _generate(model, p, max_new_tokens, processor=LogitsProcessor(compile_spec(compiler, s)))
+        _generate(
+            model,
+            p,
+            max_new_tokens,
+            processor=LogitsProcessor(compile_spec(compiler, s)),
+            **generate_kwargs,
+        )
         for p, s in zip(prompts, specs, strict=True)
     ]
 
 
-def _generate(model, prompt, max_new_tokens, repetition_penalty=1.0, processor=None) -> Reference:
+def _generate(
+    model, prompt, max_new_tokens, repetition_penalty=1.0, processor=None, **kwargs
+) -> Reference:
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),
@@ -133,6 +141,7 @@ def _generate(model, prompt, max_new_tokens, repetition_penalty=1.0, processor=N
             logits_processor=None if processor is None else [processor],
             return_dict_in_generate=True,
             pad_token_id=0,
+            **kwargs,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
     gaps, best = [], []

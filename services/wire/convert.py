@@ -98,12 +98,14 @@ def structured_to_proto(s: StructuredOutputs) -> common_pb2.StructuredOutputs:
 
 def logprob_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
     """A token's logprobs as their message."""
-    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, top=lp.top, rank=lp.rank
+    )
 
 
 def logprob_from_proto(lp: common_pb2.TokenLogprob) -> TokenLogprobs:
     """A token's logprobs from their message."""
-    return TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=dict(lp.top))
+    return TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=dict(lp.top), rank=lp.rank)
 
 
 def finish_reason_to_proto(reason: FinishReason | None) -> str:

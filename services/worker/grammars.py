@@ -41,10 +41,20 @@ class GrammarPreparer:
         self._pending: dict[bytes, tuple[concurrent.futures.Future, list[float]]] = {}
 
     def start_warming(self) -> None:
-        """Load xgrammar and the vocabulary in the background (a worker calls this once it
-        serves, so that its start-up is not slower and its first grammar waits less)."""
+        """Load xgrammar and the vocabulary on a thread of their own (a worker starts this
+        while its model loads: the load holds the GIL for a second or more, which would
+        stall the event loop of a serving worker)."""
         if self._warm is None:
             self._warm = self._warm_thread.submit(self.compiler.warm)
+
+    def wait_warm(self) -> None:
+        """Wait for ``start_warming``'s load; log (not raise) its failure: requests with a
+        grammar then fail with its error, the others are served."""
+        self.start_warming()
+        try:
+            self._warm.result(timeout=WARM_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 (logged; the requests that need it fail)
+            logger.error("structured outputs unavailable: %s", error)
 
     def close(self) -> None:
         self._compile_thread.shutdown(wait=False, cancel_futures=True)

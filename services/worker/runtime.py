@@ -21,12 +21,13 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.controlplane.publisher import RegistryPublisher, publisher_for
+from pdserve.core.model import ModelConfig
 from pdserve.core.sampling import SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineDead
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestError
 from pdserve.engine.prepare_model import resolve_model
-from pdserve.engine.structured_output import GrammarError
+from pdserve.engine.structured_output import GrammarCompiler, GrammarError
 from pdserve.runtime.metrics import metrics_server_address, start_metrics
 from pdserve.runtime.rpc import start_server
 from pdserve.runtime.service import Serving
@@ -54,17 +55,25 @@ def error_status(request_id: str, error: RequestError | None) -> tuple[grpc.Stat
 
 def start_engine(
     settings: PrefillSettings | DecodeSettings, resources: contextlib.AsyncExitStack
-) -> AsyncEngine:
-    """Load ``settings.engine``'s model into an engine on its own thread (stopped with
-    ``resources``). ValueError / FileNotFoundError for a bad model or engine setting."""
+) -> tuple[AsyncEngine, GrammarPreparer]:
+    """Load ``settings.engine``'s model into an engine on its own thread, and the grammar
+    compiler beside it (xgrammar and the vocabulary load on another thread meanwhile, so a
+    serving worker's event loop never pauses for them); both stopped with ``resources``.
+    ValueError / FileNotFoundError for a bad model or engine setting."""
     fault = step_fault()  # test-only; a bad value stops the start before the model loads
     path = resolve_model(settings.engine.model)
     args = dataclasses.replace(settings.engine, model=str(path))
     if isinstance(settings, PrefillSettings):  # a prefill step never speculates: no draft
         args = dataclasses.replace(args, speculative_config=None)
-    engine = AsyncEngine(lambda: LLMEngine(args, str(path)), before_step=fault)
+    config = ModelConfig.from_dir(path)
+    compiler = GrammarCompiler(path, config.vocab_size, config.eos_token_ids)
+    grammars = GrammarPreparer(compiler, settings.engine.grammar_compile_timeout)
+    grammars.start_warming()
+    resources.callback(grammars.close)
+    engine = AsyncEngine(lambda: LLMEngine(args, str(path), grammars=compiler), before_step=fault)
     resources.callback(engine.shutdown)
-    return engine
+    grammars.wait_warm()
+    return engine, grammars
 
 
 async def prepare_grammar(
@@ -81,17 +90,6 @@ async def prepare_grammar(
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     except GrammarError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-
-
-def start_grammars(
-    settings: PrefillSettings | DecodeSettings,
-    engine: AsyncEngine,
-    resources: contextlib.AsyncExitStack,
-) -> GrammarPreparer:
-    """The worker's grammar compiler, off the engine thread (stopped with ``resources``)."""
-    grammars = GrammarPreparer(engine.engine.grammars, settings.engine.grammar_compile_timeout)
-    resources.callback(grammars.close)
-    return grammars
 
 
 def engine_publisher(

@@ -15,6 +15,7 @@ import pytest
 from pdserve.runtime.rpc import aio_channel
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.helpers.clusters import rest_address, running, start_colocated
+from tests.helpers.flags import ENGINE
 from tests.helpers.openai_errors import openai_error
 
 MODEL = "tiny"
@@ -42,13 +43,22 @@ GATEWAY = [
 ]
 
 
+# The worker's bound on a grammar's compile: well inside ANSWER_S.
+WORKER = [*ENGINE, "--grammar-compile-timeout", "0.3"]
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_llama_path, tmp_path_factory):
     with running(tmp_path_factory.mktemp("bad-input-logs")) as c:
-        start_colocated(c, tiny_chat_llama_path, gateway=GATEWAY)
+        start_colocated(c, tiny_chat_llama_path, engine=WORKER, gateway=GATEWAY)
         yield c
 
 
+SLOW_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "maxLength": 60} for i in range(900)},
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TEXT = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4}
@@ -77,12 +87,69 @@ REST_CASES = [
     ),
     ("messages a string", "/v1/chat/completions", chat(messages="hi"), AUTH, 400, "messages"),
     (
-        "unknown role",
+        "empty role",
         "/v1/chat/completions",
-        chat(messages=[{"role": "x", "content": "a"}]),
+        chat(messages=[{"role": "", "content": "a"}]),
         AUTH,
         400,
         "role",
+    ),
+    ("unknown field", "/v1/completions", text(best_guess=True), AUTH, 400, "best_guess"),
+    (
+        "unknown option",
+        "/v1/completions",
+        text(stream=True, stream_options={"x": 1}),
+        AUTH,
+        400,
+        "stream_options.x",
+    ),
+    (
+        "a field not served",
+        "/v1/completions",
+        text(use_beam_search=True),
+        AUTH,
+        400,
+        "use_beam_search",
+    ),
+    (
+        "tool_choice naming a missing function",
+        "/v1/chat/completions",
+        chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        AUTH,
+        400,
+        "nope",
+    ),
+    (
+        "a bad JSON schema",
+        "/v1/chat/completions",
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"foo": "bar"}},
+                },
+            }
+        ),
+        AUTH,
+        400,
+        "schema",
+    ),
+    (
+        "a bad regex",
+        "/v1/completions",
+        text(structured_outputs={"regex": "[.*"}),
+        AUTH,
+        400,
+        "regex",
+    ),
+    (
+        "two constraints",
+        "/v1/completions",
+        text(structured_outputs={"regex": "a+", "choice": ["a"]}),
+        AUTH,
+        400,
+        "exactly one",
     ),
     ("temperature a string", "/v1/completions", text(temperature="hot"), AUTH, 400, "temperature"),
     ("negative temperature", "/v1/completions", text(temperature=-1), AUTH, 400, "temperature"),
@@ -97,7 +164,7 @@ REST_CASES = [
     ("top_p above 1", "/v1/completions", text(top_p=2), AUTH, 400, "top_p"),
     ("n zero", "/v1/completions", text(n=0), AUTH, 400, "n"),
     ("n past --max-n", "/v1/completions", text(n=5), AUTH, 400, "n"),
-    ("negative seed", "/v1/completions", text(seed=-3), AUTH, 400, "seed"),
+    ("seed below int64", "/v1/completions", text(seed=-(2**70)), AUTH, 400, "seed"),
     ("huge seed", "/v1/completions", text(seed=2**70), AUTH, 400, "seed"),
     (
         "top_logprobs past --max-logprobs",
@@ -123,7 +190,7 @@ REST_CASES = [
         400,
         "vocabulary",
     ),
-    ("token id past uint32", "/v1/completions", text(prompt=[5, 2**40]), AUTH, 400, "range"),
+    ("token id past uint32", "/v1/completions", text(prompt=[5, 2**40]), AUTH, 400, "vocabulary"),
     ("negative token id", "/v1/completions", text(prompt=[-1]), AUTH, 400, "prompt"),
     ("empty prompt", "/v1/completions", text(prompt=""), AUTH, 400, "empty"),
     ("empty messages", "/v1/chat/completions", chat(messages=[]), AUTH, 400, "messages"),
@@ -157,14 +224,27 @@ REST_CASES = [
     ("no key", "/v1/completions", text(), {}, 401, "API key"),
     ("wrong key", "/v1/completions", text(), {"Authorization": "Bearer nope"}, 401, "API key"),
     ("unknown route", "/v1/embeddings", text(), AUTH, 404, ""),
+    # Last: its compile goes on in the worker's one compile thread after the refusal (some
+    # seconds: xgrammar's compile of many optional properties grows faster than their count).
+    (
+        "a schema slower to compile than --grammar-compile-timeout",
+        "/v1/completions",
+        text(structured_outputs={"json": SLOW_SCHEMA}),
+        AUTH,
+        400,
+        "--grammar-compile-timeout",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def http(cluster):
     with httpx.Client(base_url=f"http://{rest_address(cluster)}", timeout=30) as client:
-        # The first request of a fresh process pays its lazy imports: not a refusal's time.
+        # The first request of a fresh process pays its lazy imports (and the worker's
+        # first grammar, xgrammar's): not a refusal's time.
         assert client.post("/v1/completions", json=TEXT, headers=AUTH).status_code == 200
+        constrained = text(structured_outputs={"choice": ["a", "b"]})
+        assert client.post("/v1/completions", json=constrained, headers=AUTH).status_code == 200
         yield client
 
 

@@ -68,6 +68,7 @@ def cluster(request, tiny_chat_llama_path, tmp_path_factory):
     c.mode = request.param
     try:
         c.want, _ = asyncio.run(run_all(c.url))  # the unbroken run
+        check_constrained_against_transformers(c.want, tiny_chat_llama_path)
         yield c
     finally:
         c.stop_all()
@@ -99,7 +100,8 @@ def completions(url: str, n: int, max_tokens: int, at_once: bool) -> list[httpx.
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             calls = [
                 client.post(
-                    "/v1/completions", json={**body(i), "stream": False, "max_tokens": max_tokens}
+                    "/v1/completions",
+                    json={**body(i), "stream": False, "max_tokens": max_tokens, "min_tokens": 0},
                 )
                 for i in range(n)
             ]
@@ -110,13 +112,27 @@ def completions(url: str, n: int, max_tokens: int, at_once: bool) -> list[httpx.
     return asyncio.run(go())
 
 
+# Streams 2 (greedy) and 5 (seeded) follow a grammar: their matcher is rebuilt from the
+# tokens sent so far wherever they go. min_tokens keeps EOS out, so they run to max_tokens.
+CONSTRAINED = {2, 5}
+REGEX = "(the|quick|brown|fox|lazy|dog)( (the|quick|brown|fox|lazy|dog))*"
+
+
+def prompt(i: int) -> list[int]:
+    return [(5 * i + 7 * k) % 500 + 3 for k in range(20 + 3 * i)]
+
+
 def body(i: int) -> dict:
-    """Stream i: greedy for even i, seeded sampling for odd i; one asks for logprobs."""
+    """Stream i: greedy for even i, seeded sampling for odd i; one asks for logprobs; the
+    CONSTRAINED ones under REGEX."""
     sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": 100 + i}
     extra = {"logprobs": 2} if i == 3 else {}
+    if i in CONSTRAINED:  # EOS held back by min_tokens (ignore_eos would let it through)
+        extra = {"structured_outputs": {"regex": REGEX}, "min_tokens": MAX_TOKENS}
+        extra["ignore_eos"] = False
     return {
         "model": MODEL,
-        "prompt": [(5 * i + 7 * k) % 500 + 3 for k in range(20 + 3 * i)],
+        "prompt": prompt(i),
         "max_tokens": MAX_TOKENS,
         "ignore_eos": True,
         "return_token_ids": True,
@@ -158,6 +174,31 @@ async def run_all(url: str, fault=None):
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             done = await fault()
         return await asyncio.wait_for(asyncio.gather(*tasks), 180), done
+
+
+def check_constrained_against_transformers(want, model_path) -> None:
+    """The unbroken run's greedy constrained stream is transformers' under xgrammar's
+    processor (disaggregated: its first token from the prefill worker), and every
+    constrained stream's text follows REGEX."""
+    import re
+
+    from pdserve.core.sampling import StructuredOutputs
+    from pdserve.testing.reference import compare, hf_greedy_structured
+
+    (ref,) = hf_greedy_structured(
+        model_path,
+        [prompt(2)],
+        MAX_TOKENS,
+        StructuredOutputs(regex=REGEX),
+        min_new_tokens=MAX_TOKENS,
+    )
+    assert compare(want[2][0], ref) is None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    for i in CONSTRAINED:
+        text = tokenizer.decode(want[i][0])
+        assert re.fullmatch(REGEX, text) or re.fullmatch(REGEX + " ?[a-z]*", text), text
 
 
 async def in_flight(address: str) -> int:
@@ -324,15 +365,19 @@ def test_streams_leave_a_decode_worker_whose_engine_dies(tiny_chat_llama_path, t
     """The watchdog answers the dead engine's streams UNAVAILABLE at once (and the worker
     exits 3); the gateway moves them. Outputs equal the in-process engine's."""
     llm = LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=512)
+    from pdserve.core.sampling import StructuredOutputs
+
     params = [
         SamplingParams(
             max_tokens=MAX_TOKENS,
-            ignore_eos=True,
+            ignore_eos=b["ignore_eos"],
             temperature=b["temperature"],
             seed=b.get("seed"),
             logprobs=b.get("logprobs"),
+            min_tokens=b.get("min_tokens", 0),
+            structured_outputs=StructuredOutputs(regex=REGEX) if i in CONSTRAINED else None,
         )
-        for b in map(body, range(NUM_STREAMS))
+        for i, b in enumerate(map(body, range(NUM_STREAMS)))
     ]
     want = llm.generate([body(i)["prompt"] for i in range(NUM_STREAMS)], params)
     fault = {"PDSERVE_TEST_FAULT": "engine-thread-death-after:60"}

@@ -19,6 +19,7 @@ MAX_MODEL_LEN = 256
 MODEL_NAME = "tiny"
 PROMPT_IDS = [11, 57, 203, 9, 140, 33, 77, 5, 300, 41]
 GATEWAY = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL_NAME]
+GATEWAY += ["--enable-prompt-tokens-details"]
 
 
 @pytest.fixture(scope="module")

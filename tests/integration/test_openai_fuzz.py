@@ -39,7 +39,12 @@ def test_fuzz_post_routes_from_the_openapi_schema(fuzz_gateway):
     base = f"http://{rest_address(fuzz_gateway)}"
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [r.ok() for r in schema.include(method="POST").get_all_operations()]
-    assert {op.path for op in operations} == {"/v1/chat/completions", "/v1/completions"}
+    assert {op.path for op in operations} == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/tokenize",
+        "/detokenize",
+    }
 
     for operation in operations:
 

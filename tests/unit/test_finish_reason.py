@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.core.finish_reason import FinishReason
-from pdserve.gateway.openai_reply import _finish_reason as openai_finish_reason
+from pdserve.gateway.openai_reply import finish_reason as openai_finish_reason
 from pdserve.v1 import decode_pb2
 from pdserve.wire.convert import finish_reason_from_proto, finish_reason_to_proto
 

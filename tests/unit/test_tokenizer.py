@@ -196,6 +196,55 @@ def test_chat_template_matches_transformers(pair, name, add_generation_prompt):
         assert ours.render_chat(messages, add_generation_prompt) == text
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_tools_documents_and_continued_messages_match_transformers(pair, name):
+    """tools, documents, template kwargs, and continue_final_message (the text cut after
+    the last message's content, trailing spaces and all), as transformers renders them."""
+    ours, hf = pair(name)
+    if ours.chat_template is None:
+        pytest.skip("no chat template")
+    tooled = ours.with_chat_template(
+        "{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for d in documents or [] %}"
+        "[{{ d.text }}]{% endfor %}{{ flavour }}|" + ours.chat_template
+    )
+    docs = [{"title": "a", "text": "doc one"}]
+    for messages in CONVERSATIONS:
+        options = dict(tools=TOOLS, documents=docs, flavour="salty")
+        want = hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=True,
+            chat_template=tooled.chat_template,
+            **options,
+        )
+        assert tooled.render_chat(messages, True, **options) == want
+        for last in ("Sure, the answer is", "Trailing space "):
+            cont = [*messages, {"role": "assistant", "content": last}]
+            try:
+                want = hf.apply_chat_template(
+                    cont, tokenize=False, add_generation_prompt=False, continue_final_message=True
+                )
+            except ValueError:  # a template that does not write the content
+                with pytest.raises(ChatTemplateError, match="continue_final_message"):
+                    ours.render_chat(cont, False, continue_final_message=True)
+                continue
+            assert ours.render_chat(cont, False, continue_final_message=True) == want
+    with pytest.raises(ChatTemplateError, match="cannot both"):
+        ours.render_chat(CONVERSATIONS[0], True, continue_final_message=True)
+
+
 def test_tiny_llama_has_no_template(pair):
     ours, _ = pair("tiny_llama_path")
     with pytest.raises(ChatTemplateError, match="no chat template"):
