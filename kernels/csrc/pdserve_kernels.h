@@ -72,11 +72,16 @@ PD_API void pd_amx_pack(const uint16_t* w, uint16_t* out, int N, int K);
 PD_API void pd_amx_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias,
                           uint16_t* y, int M, int N, int K, int nthreads);
 
-/* ---- greedy sampling's row argmax (cpu_sample*.c): variants avx2, avx512 --------------- */
+/* ---- sampling (cpu_sample*.c): variants avx2, avx512 ------------------------------------ */
 
 /* x: [rows, n] fp32 with row stride x_s; out: [rows] int64, as torch.argmax(x, dim=-1). */
 PD_API void pd_argmax_f32(const float* x, int64_t x_s, int rows, int64_t n, int64_t* out,
                           int nthreads);
+/* Structured outputs' token mask: for each of the rows listed in `rows` (nrows of them),
+ * x[row, i] = -inf where bit i % 32 of mask[row, i / 32] is 0 (xgrammar's bitmask layout),
+ * for i < n. x: fp32 with row stride x_s; mask: int32 with row stride m_s. */
+PD_API void pd_apply_bitmask_f32(float* x, int64_t x_s, const int32_t* mask, int64_t m_s,
+                                 const int64_t* rows, int nrows, int64_t n, int nthreads);
 
 #ifdef __cplusplus
 }

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pdserve.core.sampling import StructuredOutputs
+from pdserve.kernels import sample_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,10 @@ def step_bitmask(
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf, in place, the logits of ``rows`` whose bits in ``bitmask`` are 0."""
+    """Set to -inf, in place, the logits of ``rows`` whose bits in ``bitmask`` are 0: the C
+    kernel on the CPU (``pdserve.kernels.sample_cpu``), xgrammar's kernels elsewhere."""
+    if sample_cpu.apply_bitmask(logits, bitmask, rows):
+        return
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(

@@ -95,3 +95,29 @@ def test_the_tail_past_the_last_full_vector(n, isa):
     x[3, :] = float("-inf")
     _check(x, isa)
     assert sample_cpu.argmax(x, isa=isa).tolist() == [n - 1, 0, n - 2, 0]
+
+
+@pytest.mark.parametrize("n", [31, 32, 33, 100, 49152])
+def test_the_token_mask_is_xgrammars(n, isa):
+    """Structured outputs' bitmask (xgrammar's layout) as xgrammar's own kernel applies it:
+    words of all, none and some tokens, a tail word, and rows left out."""
+    import xgrammar as xgr
+
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n, generator=gen)
+    words = (n + 31) // 32
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int32)
+    mask[0, ::2] = -1  # every token of the word allowed
+    mask[1, ::3] = 0  # none
+    rows = [0, 1, 3]
+    want = x.clone()
+    xgr.apply_token_bitmask_inplace(want, mask, indices=rows)
+    got = x.clone()
+    assert sample_cpu.apply_bitmask(got, mask, rows, isa=isa)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[2, 4]], x[[2, 4]])
+
+
+def test_a_mask_the_kernel_does_not_take_is_left_to_the_caller(isa):
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert not sample_cpu.apply_bitmask(x, torch.zeros(2, 2, dtype=torch.int32), [0], isa=isa)
