@@ -113,9 +113,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for chunk in chunks:
                     response.token_ids.extend(chunk.token_ids)
                     response.logprobs.extend(chunk.logprobs)
+                    response.prompt_logprobs.extend(chunk.prompt_logprobs)
                     texts.append(chunk.text)
                     response.finish_reason = chunk.finish_reason
                     response.usage.CopyFrom(chunk.usage)
+                    if chunk.WhichOneof("stop_reason"):
+                        kind = chunk.WhichOneof("stop_reason")
+                        setattr(response, kind, getattr(chunk, kind))
         except REQUEST_ERRORS as error:
             await context.abort(*status_of(error))
         finally:

@@ -306,6 +306,11 @@ def sse(http, path, body) -> list[dict]:
     return [json.loads(ln) for ln in lines[:-1]]
 
 
+def llm_first(llm) -> int:
+    """The tiny model's first greedy token after P1."""
+    return greedy(llm, P1, n=1).token_ids[0]
+
+
 async def test_grpc_takes_structured_outputs_and_token_rules(cluster, llm):
     gateway = next(s for s in cluster.services if s.name == "gateway")
     params = common_pb2.SamplingParams(
@@ -321,6 +326,15 @@ async def test_grpc_takes_structured_outputs_and_token_rules(cluster, llm):
         stub = gateway_pb2_grpc.GatewayStub(channel)
         reply = await stub.Generate(request, timeout=60)
         assert reply.text in ("the quick fox", "pdserve") and reply.finish_reason == "stop"
+        asked = gateway_pb2.GenerateRequest(
+            prompt_token_ids=gateway_pb2.TokenIds(ids=P1),
+            params=common_pb2.SamplingParams(
+                max_tokens=6, prompt_logprobs=1, stop_token_ids=[llm_first(llm)]
+            ),
+        )
+        reply = await stub.Generate(asked, timeout=60)
+        assert len(reply.prompt_logprobs) == len(P1) - 1
+        assert reply.stop_token_id == llm_first(llm) and reply.finish_reason == "stop"
         bad = gateway_pb2.GenerateRequest(
             prompt_token_ids=gateway_pb2.TokenIds(ids=P1),
             params=common_pb2.SamplingParams(
