@@ -9,27 +9,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission, Overloaded
 from pdserve.gateway.chat_reply import ChatOptions, ChatReply
-from pdserve.gateway.generation import REQUEST_ERRORS, generate_many
+from pdserve.gateway.generation import generate_many
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdMiddleware,
 )
-from pdserve.gateway.openai_errors import APIError, api_error_of, validation_message
+from pdserve.gateway.openai_errors import APIError, validation_message
 from pdserve.gateway.openai_params import (
     COMPLETION_MAX_TOKENS,
     Prompt,
@@ -49,12 +47,17 @@ from pdserve.gateway.openai_reply import ChoiceInput, CompletionReply, ReplyOpti
 from pdserve.gateway.openai_tools import ToolMode, tool_mode
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.requests import ModelLimits, PreparedRequest
+from pdserve.gateway.sse_response import (
+    SSEResponse,
+    first_message,
+    prepend,
+    unless_disconnected,
+)
 from pdserve.gateway.telemetry import RequestTelemetry, request_attributes
 from pdserve.gateway.tokenize_api import add_tokenize_routes
 from pdserve.runtime import tracing
 from pdserve.runtime.metrics import CONTENT_TYPE, exposition
 from pdserve.settings.services import OpenAISettings
-from pdserve.v1 import gateway_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +219,7 @@ async def _complete(
     except BaseException as error:
         telemetry.end(error)
         raise
-    if not isinstance(response, _HeldStream):  # a stream ends its telemetry itself
+    if not isinstance(response, SSEResponse):  # a stream ends its telemetry itself
         telemetry.end()
     return response
 
@@ -242,15 +245,15 @@ async def _run(
     try:
         chunks = generate_many(served.orchestrator, served.tokenizer, requests, telemetry)
         if not body.stream:
-            result = await _unless_disconnected(request, reply.whole(chunks))
+            result = await unless_disconnected(request, reply.whole(chunks))
             return JSONResponse(result)
         # The first message before the headers: an unreachable worker is then a 503, not
         # an error event inside a 200 stream.
-        first = await _unless_disconnected(request, _first(chunks))
+        first = await unless_disconnected(request, first_message(chunks))
         if not first:
             return Response(status_code=499)  # the client left; nobody reads this
-        events = reply.sse(_prepend(first, chunks))
-        response = _HeldStream(events, admission, chunks, served.send_timeout_s, telemetry)
+        events = reply.sse(prepend(first, chunks))
+        response = SSEResponse(events, admission, chunks, served.send_timeout_s, telemetry)
         admission = None  # the stream releases the slot
         return response
     finally:
@@ -320,98 +323,3 @@ def _echo_text(body: ChatCompletionRequest) -> str:
     if isinstance(last.content, str):
         return last.content
     return "\n".join(part.text or "" for part in last.content)
-
-
-async def _first(
-    chunks: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
-) -> tuple[int, gateway_pb2.GenerateResponse]:
-    """The first message of ``chunks``; closes them and raises the APIError if it fails."""
-    try:
-        return await anext(chunks)
-    except REQUEST_ERRORS as error:
-        await chunks.aclose()
-        raise api_error_of(error) from None
-    except BaseException:
-        await chunks.aclose()
-        raise
-
-
-async def _prepend(
-    first: tuple[int, gateway_pb2.GenerateResponse],
-    chunks: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
-) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
-    async with aclosing(chunks):
-        yield first
-        async for item in chunks:
-            yield item
-
-
-class _ClientStalled(Exception):
-    """The client stopped reading its stream."""
-
-
-class _HeldStream(StreamingResponse):
-    """An SSE stream that, however it ends, stops its generations and frees its slot.
-
-    A client that stops reading fills the socket's buffers and then every send waits; one
-    that waits longer than ``send_timeout_s`` ends the stream (its connection is closed).
-    """
-
-    def __init__(
-        self,
-        events: AsyncIterator[str],
-        admission: Admission,
-        chunks: AsyncGenerator,
-        send_timeout_s: float,
-        telemetry: RequestTelemetry,
-    ) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self._admission = admission
-        self._chunks = chunks
-        self._send_timeout_s = send_timeout_s
-        self._telemetry = telemetry
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def send_or_give_up(message: dict) -> None:
-            try:
-                async with asyncio.timeout(self._send_timeout_s):
-                    await send(message)
-            except TimeoutError:
-                raise _ClientStalled from None
-
-        try:
-            await super().__call__(scope, receive, send_or_give_up)
-        except _ClientStalled as error:
-            logger.warning(
-                "request %s: the client read nothing for %gs (--send-timeout); stream cancelled",
-                scope.get("state", {}).get("request_id"),
-                self._send_timeout_s,
-            )
-            self._telemetry.end(error)
-        finally:
-            try:
-                await self._chunks.aclose()  # a stream never iterated still runs them
-            finally:
-                self._admission.release()
-                self._telemetry.end()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """``work``'s result, cancelling it (and so its generations) if the client goes away."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        return {}  # nobody is listening
-    return task.result()
