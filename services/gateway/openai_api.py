@@ -7,6 +7,7 @@ A REST request becomes a ``GenerateRequest`` and goes through the same ``prepare
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from dataclasses import dataclass, field
@@ -136,9 +137,19 @@ def create_app(served: Served) -> FastAPI:
             "object": "model",
             "created": 0,
             "owned_by": "pdserve",
+            "root": served.model_name,  # vLLM's: the base model (adapters name theirs)
+            "parent": None,
             "max_model_len": served.limits.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """pdserve's version (vLLM serves its own here)."""
+        try:
+            return {"version": importlib.metadata.version("pdserve")}
+        except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+            return {"version": "unknown"}
 
     def check_model(model: str | None) -> None:
         if model and model != served.model_name:

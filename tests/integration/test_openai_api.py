@@ -50,7 +50,10 @@ def test_metrics_are_prometheus_text(http):
 
 def test_models_and_health(client, http):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["root"] == MODEL_NAME and card["parent"] is None
     assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
 
 
 def test_greedy_completion_equals_the_engine(client, tiny_chat_llama_path, cluster):
