@@ -17,6 +17,8 @@ from pdserve.gateway.openai_errors import APIError
 REQUEST_ID_HEADER = "x-request-id"
 MAX_CLIENT_ID_CHARS = 256  # of an x-request-id kept to echo and log
 PROTECTED_PREFIX = "/v1/"  # /health and /openapi.json stay open
+# Generation outside /v1/ (SageMaker's route; vLLM leaves it open, a key here guards it).
+PROTECTED_PATHS = ("/invocations",)
 
 
 async def send_error(scope: dict, receive: Any, send: Any, error: APIError, **headers: str) -> None:
@@ -59,14 +61,17 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Every /v1/ route needs ``Authorization: Bearer <api_key>``; else 401."""
+    """Every /v1/ route and /invocations need ``Authorization: Bearer <api_key>``; else 401."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (
+            path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS
+        ):
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"").strip()
         if hmac.compare_digest(given, self._expected):

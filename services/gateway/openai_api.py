@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,10 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from pdserve.core.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission, Overloaded
+from pdserve.gateway.batch_chat import conversations, merged
 from pdserve.gateway.chat_reply import ChatOptions, ChatReply
 from pdserve.gateway.generation import generate_many
 from pdserve.gateway.metrics import GatewayMetrics
@@ -125,6 +128,11 @@ def create_app(served: Served) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """SageMaker's health check (as vLLM serves it): /health."""
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text: requests, admission state, routing counters, the process."""
@@ -186,8 +194,63 @@ def create_app(served: Served) -> FastAPI:
         check_fields(body)
         return await _complete(served, registry, body, request)
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one endpoint (as vLLM serves it): a body with ``messages`` is a chat
+        completion, one with ``prompt`` a completion."""
+        body = await json_body(request)
+        kind = invocation_kind(body)
+        try:
+            parsed = kind.model_validate(body)
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from None
+        check_model(parsed.model)
+        check_fields(parsed)
+        return await _complete(served, registry, parsed, request)
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(request: Request) -> Response:
+        """vLLM's batched chat (gateway/batch_chat.py): one choice per conversation."""
+        bodies = conversations(await json_body(request))
+        check_model(bodies[0].model)
+        check_fields(bodies[0])
+        rid = request.state.request_id
+        try:  # the first error (a 400, a 429) cancels the other conversations and answers
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(_complete(served, registry, b, request, f"{rid}.{i}"))
+                    for i, b in enumerate(bodies)
+                ]
+        except BaseExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        return JSONResponse(merged([json.loads(t.result().body) for t in tasks]))
+
     add_tokenize_routes(app, served, check_model, check_fields)
     return app
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, or a 400."""
+    try:
+        body = await request.json()
+    except ValueError as error:
+        raise APIError(400, f"JSON decode error: {error}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def invocation_kind(body: dict[str, Any]) -> type[ChatCompletionRequest | CompletionRequest]:
+    """Which request an /invocations body is, by its fields."""
+    if "messages" in body:
+        return ChatCompletionRequest
+    if "prompt" in body:
+        return CompletionRequest
+    raise APIError(
+        400,
+        "Cannot find suitable handler for request. Expected one of: ChatCompletionRequest "
+        "(with messages), CompletionRequest (with prompt)",
+    )
 
 
 def _unknown_fields(body: OpenAIBase) -> list[str]:
@@ -214,8 +277,10 @@ async def _complete(
     metrics: GatewayMetrics,
     body: ChatCompletionRequest | CompletionRequest,
     request: Request,
+    request_id: str | None = None,
 ) -> Response:
-    request_id = request.state.request_id
+    """Run ``body``; ``request_id`` names it inside pdserve (default: the HTTP request's)."""
+    request_id = request_id or request.state.request_id
     telemetry = RequestTelemetry(
         metrics,
         tracing.from_headers(request.headers),
@@ -226,7 +291,7 @@ async def _complete(
         ),
     )
     try:
-        response = await _run(served, body, request, telemetry)
+        response = await _run(served, body, request, telemetry, request_id)
     except BaseException as error:
         telemetry.end(error)
         raise
@@ -240,8 +305,8 @@ async def _run(
     body: ChatCompletionRequest | CompletionRequest,
     request: Request,
     telemetry: RequestTelemetry,
+    request_id: str,
 ) -> Response:
-    request_id = request.state.request_id
     if body.request_id is None and request.state.client_request_id:
         body.request_id = request.state.client_request_id
     # Tokenizing and chat templating are CPU work: not on the loop that serves every client.

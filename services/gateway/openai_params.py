@@ -104,7 +104,11 @@ def completion_prompts(
     """Each prompt of a completion request, tokenized (text) or checked (token ids)."""
     prompt = body.prompt
     if prompt is None or prompt == "" or prompt == []:
-        raise bad_request("the prompt is empty: send text or token ids", "prompt")
+        # vLLM's words, which clients match on (prompt_embeds is refused here).
+        raise bad_request(
+            "Either prompt or prompt_embeds must be provided and non-empty: send text or token ids",
+            "prompt",
+        )
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
     else:

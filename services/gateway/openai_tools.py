@@ -98,12 +98,13 @@ def tool_constraint(body: ChatCompletionRequest, mode: ToolMode) -> StructuredOu
         return StructuredOutputs(json=json.dumps(schema))
     if mode.kind != "required":
         return None
+    defs: dict[str, Any] = {}
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [name]},
-                "parameters": f.parameters or _ANY_OBJECT,
+                "parameters": _hoist_defs(name, f.parameters or _ANY_OBJECT, defs),
             },
             "required": ["name", "parameters"],
         }
@@ -112,7 +113,27 @@ def tool_constraint(body: ChatCompletionRequest, mode: ToolMode) -> StructuredOu
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if body.parallel_tool_calls is False:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return StructuredOutputs(json=json.dumps(schema))
+
+
+def _hoist_defs(name: str, parameters: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``parameters`` without its ``$defs``, which join ``defs``: nested in the array of
+    calls, a ``$ref`` such as ``#/$defs/X`` resolves against the root. Two tools that define
+    one name differently are a 400."""
+    own = parameters.get("$defs")
+    if not isinstance(own, dict):
+        return parameters
+    for key, definition in own.items():
+        if key in defs and defs[key] != definition:
+            raise bad_request(
+                f"the tools define $defs/{key} differently (function {name!r} and another); "
+                "give the definitions distinct names",
+                param="tools",
+            )
+        defs[key] = definition
+    return {k: v for k, v in parameters.items() if k != "$defs"}
 
 
 def calls_of_required(text: str) -> list[ToolCall]:

@@ -223,6 +223,7 @@ REST_CASES = [
     ("unknown model", "/v1/completions", text(model="gpt-4"), AUTH, 404, "gpt-4"),
     ("no key", "/v1/completions", text(), {}, 401, "API key"),
     ("wrong key", "/v1/completions", text(), {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("no key, SageMaker's route", "/invocations", text(), {}, 401, "API key"),
     ("unknown route", "/v1/embeddings", text(), AUTH, 404, ""),
     # Last: its compile goes on in the worker's one compile thread after the refusal (some
     # seconds: xgrammar's compile of many optional properties grows faster than their count).

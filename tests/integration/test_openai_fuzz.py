@@ -44,6 +44,10 @@ def test_fuzz_post_routes_from_the_openapi_schema(fuzz_gateway):
         "/v1/completions",
         "/tokenize",
         "/detokenize",
+        # Bodies read by hand (no schema: schemathesis sends arbitrary ones).
+        "/v1/chat/completions/batch",
+        "/invocations",
+        "/ping",
     }
 
     for operation in operations:

@@ -276,6 +276,39 @@ def test_tokenizer_endpoints(http, llm):
     assert isinstance(info["tokenizer_class"], str) and "chat_template" in info
 
 
+def test_sagemaker_invocations_answer_as_the_api_they_name(http):
+    """/invocations (vLLM's SageMaker route): messages -> chat, prompt -> completions, the
+    same answers; anything else and a bad field are 400s; /ping is /health."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    text = {"prompt": P1, "max_tokens": 4, "temperature": 0}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", text)):
+        direct, invoked = post(http, path, **body), post(http, "/invocations", **body)
+        assert invoked["object"] == direct["object"] and invoked["choices"] == direct["choices"]
+    openai_error(http.post("/invocations", json={"input": "x"}), 400)
+    openai_error(http.post("/invocations", json={**text, "max_tokens": -1}), 400)
+    openai_error(http.post("/invocations", content=b"{not json"), 400)
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
+def test_batched_chat_answers_each_conversation_as_alone(http):
+    """vLLM's /v1/chat/completions/batch: choice i is conversation i's own chat answer;
+    the usage sums them; what the batch cannot do is a 400."""
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "the fox"}]]
+    opts = {"max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    alone = [post(http, "/v1/chat/completions", messages=c, **opts) for c in convs]
+    batch = post(http, "/v1/chat/completions/batch", messages=convs, **opts)
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    for got, want in zip(batch["choices"], alone, strict=True):
+        assert {**got, "index": 0} == want["choices"][0]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(a["usage"][key] for a in alone)
+    for bad in ({"stream": True}, {"n": 2}, {"messages": []}, {"messages": [[]]}):
+        body = {"model": MODEL, "messages": convs, **opts, **bad}
+        openai_error(http.post("/v1/chat/completions/batch", json=body), 400)
+    body = {"model": MODEL, "messages": convs, "max_tokens": -1}
+    openai_error(http.post("/v1/chat/completions/batch", json=body), 400)
+
+
 def test_streams_carry_usage_and_ids_where_vllm_puts_them(http):
     body = {
         "model": MODEL,
