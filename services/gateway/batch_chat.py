@@ -46,11 +46,12 @@ def conversations(body: dict[str, Any]) -> list[ChatCompletionRequest]:
         raise RequestValidationError(error.errors()) from None
 
 
-def merged(answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """The batch's answer: the first answer's envelope, every answer's choice (indexed by
-    conversation) and the usage of all."""
+def merged(answers: list[dict[str, Any]], answer_id: str) -> dict[str, Any]:
+    """The batch's answer, ``answer_id``: the first answer's envelope, every answer's choice
+    (indexed by conversation) and the usage of all."""
     first = answers[0]
     out = {k: v for k, v in first.items() if k not in ("choices", "usage", "prompt_logprobs")}
+    out["id"] = answer_id
     out["choices"] = [
         {**choice, "index": i} for i, answer in enumerate(answers) for choice in answer["choices"]
     ]

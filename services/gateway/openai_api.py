@@ -223,7 +223,10 @@ def create_app(served: Served) -> FastAPI:
                 ]
         except BaseExceptionGroup as errors:
             raise errors.exceptions[0] from None
-        return JSONResponse(merged([json.loads(t.result().body) for t in tasks]))
+        answers = [json.loads(t.result().body) for t in tasks]
+        if not all(answers):
+            return Response(status_code=499)  # the client left; nobody reads this
+        return JSONResponse(merged(answers, f"chatcmpl-{rid}"))
 
     add_tokenize_routes(app, served, check_model, check_fields)
     return app

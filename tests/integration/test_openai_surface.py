@@ -298,6 +298,7 @@ def test_batched_chat_answers_each_conversation_as_alone(http):
     alone = [post(http, "/v1/chat/completions", messages=c, **opts) for c in convs]
     batch = post(http, "/v1/chat/completions/batch", messages=convs, **opts)
     assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert batch["id"].startswith("chatcmpl-") and batch["object"] == "chat.completion"
     for got, want in zip(batch["choices"], alone, strict=True):
         assert {**got, "index": 0} == want["choices"][0]
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
