@@ -1,10 +1,13 @@
 """prepare_model: the default GGUF becomes a dense checkpoint once, atomically, and only
 local checkpoints are ever resolved."""
 
+import fcntl
 import json
 import os
 import socket
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,8 @@ def _fake_convert(gguf_path: Path, out_dir: Path, progress) -> None:
 
 
 def _leftovers(home: Path) -> list[str]:
-    return [p.name for p in (home / "models").iterdir() if p.name.startswith(".")]
+    """Temporary directories left in the models folder (the lock file stays, empty)."""
+    return [p.name for p in (home / "models").iterdir() if p.name.startswith(".") and p.is_dir()]
 
 
 # --- fast tests: paths, errors, and the publish logic with a stand-in conversion ---
@@ -131,12 +135,42 @@ def test_force_replaces_a_complete_dir(tmp_path, monkeypatch):
     assert not _leftovers(tmp_path)
 
 
+def test_processes_that_start_together_convert_once(tmp_path, monkeypatch):
+    # Two callers at once (threads: each opens the lock file on its own, as two processes
+    # do): one converts, the other waits for it and finds its result.
+    calls = []
+
+    def slow_convert(gguf_path, out_dir, progress):
+        calls.append(out_dir)
+        time.sleep(0.5)
+        _fake_convert(gguf_path, out_dir, progress)
+
+    monkeypatch.setattr(pm, "_convert", slow_convert)
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: pm.prepare_default_model(tmp_path, progress=False), [0, 1]))
+    assert paths == [pm.default_model_dir(tmp_path)] * 2 and len(calls) == 1
+    assert not _leftovers(tmp_path)
+
+
+def test_a_held_lock_is_waited_for_only_until_its_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(pm, "_convert", _fake_convert)
+    folder = pm.default_model_dir(tmp_path).parent
+    folder.mkdir(parents=True)
+    with open(folder / ".prepare.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        monkeypatch.setattr(pm, "LOCK_WAIT_S", 0.3)
+        t0 = time.monotonic()
+        assert pm.prepare_default_model(tmp_path, progress=False).is_dir()
+        assert time.monotonic() - t0 >= 0.3
+    assert not _leftovers(tmp_path)
+
+
 # --- slow tests: the real conversion ---
 
 
 @pytest.fixture(scope="module")
 def converted(smollm2_path) -> Path:
-    """The session's real conversion (cold in CI: each conversion costs about 30 s, so the
+    """The session's real conversion (cold in CI: each conversion costs about 20 s, so the
     suite makes one), in its own PDSERVE_HOME or the user's cache."""
     assert smollm2_path.name == pm.DEFAULT_MODEL_NAME
     return smollm2_path
@@ -147,6 +181,9 @@ def test_conversion_writes_a_complete_checkpoint(converted, monkeypatch):
     for name in EXPECTED_FILES:
         assert (converted / name).is_file(), name
     assert not _leftovers(converted.parent.parent)
+    import gguf  # the conversion parsed the file once, and put gguf back as it was
+
+    assert isinstance(gguf.GGUFReader, type)
 
     config = json.loads((converted / "config.json").read_text())
     assert config["tie_word_embeddings"] is True
