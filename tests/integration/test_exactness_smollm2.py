@@ -1,6 +1,7 @@
-"""The real SmolLM2-135M-Instruct against transformers, float32 greedy, 64 new tokens.
+"""The real SmolLM2-135M-Instruct against transformers, float32 greedy, 48 new tokens.
 
-One transformers reference per chat prompt (a few tokens up to 1,000+) serves every
+One transformers reference per chat prompt (a few tokens up to 1,000+; the short ones
+generated together, left-padded: ``hf_greedy(batched=True)``) serves every
 engine configuration: alone and batched, chunked, preempted, prefix-cached. Each
 difference must be a genuine near-tie of the reference; they are printed.
 """
@@ -14,7 +15,7 @@ import pytest
 from pdserve.engine import LLM, SamplingParams
 from pdserve.testing.reference import CHATS, compare, hf_greedy
 
-MAX_NEW = 64
+MAX_NEW = 48
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def refs(smollm2_path):
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] < 40 and lengths[-1] > 1000, lengths
-    return hf_greedy(smollm2_path, prompts, MAX_NEW)
+    return hf_greedy(smollm2_path, prompts, MAX_NEW, batched=True)
 
 
 def _check(llm: LLM, refs, label: str) -> None:
@@ -45,14 +46,7 @@ def _check(llm: LLM, refs, label: str) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks, stats
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["compiled", "eager"])
-def enforce_eager(request) -> bool:
-    """Each test runs on the compiled step (the CPU's default) and on the plain model."""
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def llm(smollm2_path, enforce_eager):
+def _llm(smollm2_path, enforce_eager: bool = False) -> LLM:
     return LLM(
         model=str(smollm2_path),
         dtype="float32",
@@ -62,8 +56,19 @@ def llm(smollm2_path, enforce_eager):
     )
 
 
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    """The compiled step, the CPU's default: every mode below runs on it (the tiny models'
+    tests run each mode on the plain model too)."""
+    return _llm(smollm2_path)
+
+
 def test_all_prompts_together(llm, refs):
     _check(llm, refs, "together")
+
+
+def test_all_prompts_together_on_the_plain_model(smollm2_path, refs):
+    _check(_llm(smollm2_path, enforce_eager=True), refs, "together, eager")
 
 
 def test_alone(llm, refs):
@@ -76,14 +81,14 @@ def test_alone(llm, refs):
 def test_32_mixed_requests_together_hit_the_prefix_cache(llm, refs):
     # Each reference also gives the continuation of prompt + its first j tokens; their
     # prefixes were computed by the earlier runs, so this second run hits the cache.
-    mixed = [refs[k % len(refs)].suffix((k * 5) % 48) for k in range(32)]
+    mixed = [refs[k % len(refs)].suffix((k * 5) % 40) for k in range(32)]
     assert len({len(r.prompt) for r in mixed}) > 20
     hits_before = llm.stats().prefix_cache_hits
     _check(llm, mixed, "batch32")
     assert llm.stats().prefix_cache_hits > hits_before
 
 
-def test_chunked_prefill_and_preemption(smollm2_path, refs, enforce_eager):
+def test_chunked_prefill_and_preemption(smollm2_path, refs):
     # Chunks of 64 tokens, and 140 blocks of 16 tokens: the longest request fits alone,
     # the whole set does not, so requests are preempted and their prefill recomputed.
     llm = LLM(
@@ -92,7 +97,6 @@ def test_chunked_prefill_and_preemption(smollm2_path, refs, enforce_eager):
         max_model_len=2048,
         num_kv_blocks=140,
         max_num_batched_tokens=64,
-        enforce_eager=enforce_eager,
     )
     _check(llm, refs, "chunked64-preempted")
     stats = llm.stats()
@@ -129,8 +133,8 @@ def test_speculation_matches_transformers(smollm2_path, refs, engine_args):
     if "num_kv_blocks" in engine_args:
         assert stats.num_preemptions > 0
     else:
-        mixed = [refs[k % len(refs)].suffix((k * 5) % 48) for k in range(32)]
-        _check(llm, mixed, "speculative batch32")
+        mixed = [refs[k % len(refs)].suffix((k * 5) % 40) for k in range(16)]
+        _check(llm, mixed, "speculative batch16")
         assert llm.stats().prefix_cache_hits > stats.prefix_cache_hits
 
 

@@ -6,7 +6,13 @@ import pytest
 
 from pdserve.engine import LLM
 from pdserve.engine.model import ops
-from pdserve.testing.reference import generate_like_references, hf_greedy, random_prompts
+from pdserve.testing.reference import (
+    compare,
+    generate_like_references,
+    hf_greedy,
+    random_prompts,
+    similar_lengths,
+)
 
 MAX_NEW = 64
 LENGTHS = [1, 2, 5, 15, 16, 17, 33, 64, 100, 150, 200, 255]
@@ -142,3 +148,16 @@ def test_triton_backend_matches_transformers(case, request):
     # Four prompts (2 to 100 tokens: one a block exactly, one in two chunks), their first 12
     # tokens: the interpreter is slow.
     _run(llm, [refs[i].first(12) for i in (1, 4, 7, 8)])
+
+
+def test_batched_references_are_the_single_prompt_ones(tiny_llama_path):
+    """hf_greedy(batched=True), SmolLM2's reference: prompts of similar lengths generated
+    together, left-padded, give each prompt's own greedy tokens (a difference only at a
+    near-tie of the single-prompt run)."""
+    prompts = random_prompts(5, [3, 9, 40, 41, 120, 700])
+    assert similar_lengths(prompts) == [[0, 1, 2, 3, 4], [5]]
+    single = hf_greedy(tiny_llama_path, prompts, 16)
+    batched = hf_greedy(tiny_llama_path, prompts, 16, batched=True)
+    for together, alone in zip(batched, single, strict=True):
+        assert together.prompt == alone.prompt
+        compare(together.tokens, alone)
