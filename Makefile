@@ -82,7 +82,7 @@ up: $(STAMP)
 	$(VENV)/bin/pdserve up $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

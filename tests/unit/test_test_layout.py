@@ -97,3 +97,15 @@ def test_the_shared_helpers_pass():
         "pdserve.testing.cluster",
     ]
     assert not any(is_test_module(n) for n in names)
+
+
+def test_the_longest_first_files_exist():
+    """tests/conftest.py's LONGEST_FIRST names files by path: a renamed one would silently
+    lose its early start."""
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    (listed,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LONGEST_FIRST"
+    ]
+    assert listed and [p for p in listed if not (ROOT / p).is_file()] == []
