@@ -100,23 +100,23 @@ def _one_conversion_at_a_time(folder: Path, wait_s: float) -> Iterator[None]:
 
     deadline = time.monotonic() + wait_s
     with open(folder / ".prepare.lock", "a") as lock:
-        while True:
+        locked = False
+        while not locked:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                locked = True
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     logger.warning("waited %.0f s for another conversion; converting", wait_s)
-                    yield
-                    return
+                    break
                 time.sleep(0.2)
             except OSError:  # no locks on this file system
-                yield
-                return
+                break
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def resolve_model(model: str | None, home: Path | None = None) -> Path:
