@@ -28,6 +28,7 @@ from bench import ROOT
 from bench.results_md import machine, replace_section
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.prepare_model import resolve_model
+from pdserve.testing.reference import left_padded
 
 
 def make_prompts(n: int, mean_len: int, ratio: float, vocab: int, seed: int) -> list[list[int]]:
@@ -62,10 +63,8 @@ def run_transformers(
 ) -> float:
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids, mask = left_padded(prompts[i : i + batch], pad_id)
+        width = ids.shape[1]
         with torch.inference_mode():
             out = model.generate(
                 ids,

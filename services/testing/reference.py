@@ -118,12 +118,20 @@ def similar_lengths(prompts: list[list[int]], slack: int = 512) -> list[list[int
     return groups
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` as one batch for transformers' ``generate``: ids padded on the left with
+    ``pad_id`` to the longest, and the attention mask that hides the padding."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
 def _generate_padded(model, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
     if len(prompts) == 1:
         return [_generate(model, prompts[0], max_new_tokens)]
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_padded(prompts, pad_id=0)
+    width = ids.shape[1]
     with torch.inference_mode():
         out = model.generate(
             ids,
