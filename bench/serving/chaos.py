@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import itertools
 import json
 import logging
 import os
@@ -43,7 +42,6 @@ import tempfile
 import textwrap
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 from bench import ROOT
@@ -57,6 +55,7 @@ from pdserve.testing.chaos import (
     decode_moves,
     make_jobs,
     reference_tokens,
+    repeated,
     routes,
 )
 from pdserve.testing.metrics import metric
@@ -108,9 +107,6 @@ async def run(args: argparse.Namespace, model: Path, log_dir: Path) -> dict:
     jobs = make_jobs(NUM_JOBS, args.seed, LENGTHS)
     print(f"reference: {len(jobs)} jobs on an in-process engine", flush=True)
     want = await asyncio.to_thread(reference_tokens, model, jobs)
-    # Each request of the cycle gets its own name (its x-request-id), so that the
-    # gateway's log line tells where it ran.
-    cycle = (replace(job, name=f"{job.name}-r{k}") for k in itertools.count() for job in jobs)
     env = (
         {"PDSERVE_TEST_FAULT": f"engine-step-delay:{args.step_delay:g}"}
         if args.step_delay
@@ -123,7 +119,7 @@ async def run(args: argparse.Namespace, model: Path, log_dir: Path) -> dict:
     async with chaos:
         print(f"cluster up in {time.monotonic() - t0:.0f} s; logs in {log_dir}", flush=True)
         load = Load(chaos.url, "chaos", args.concurrency)
-        async with load.running(cycle) as running:
+        async with load.running(repeated(jobs)) as running:
             start = time.monotonic()
             end = start + args.duration
             k = 1  # the k-th fault is due k intervals in; one that recovers late delays the next
@@ -150,9 +146,8 @@ async def run(args: argparse.Namespace, model: Path, log_dir: Path) -> dict:
         load_average = os.getloadavg()
 
     seen, why = routes(gateway_log), move_reasons(gateway_log)
-    base = {o.job.name: o.job.name.rsplit("-r", 1)[0] for o in outcomes}
     errors = [o for o in outcomes if o.error is not None]
-    wrong = [o for o in outcomes if o.error is None and o.tokens != want[base[o.job.name]]]
+    wrong = [o for o in outcomes if o.error is None and o.tokens != want[o.job.base]]
     moved = {name for name, route in seen.items() if decode_moves(route)}
     added = added_latencies(outcomes, moved)
     log_moves = sum(len(decode_moves(route)) for route in seen.values())

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
 import random
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,11 @@ class Job:
     stream: bool
     seed: int | None  # None: greedy
 
+    @property
+    def base(self) -> str:
+        """The name of the job this one repeats (``repeated``): its own if none."""
+        return self.name.split("~")[0]
+
     def body(self, model: str) -> dict:
         sampling = (
             {"temperature": 0} if self.seed is None else {"temperature": 0.9, "seed": self.seed}
@@ -87,6 +94,15 @@ def make_jobs(n: int, seed: int, lengths: Sequence[int] = (48, 96, 144)) -> list
             )
         )
     return jobs
+
+
+def repeated(jobs: Sequence[Job], rounds: int | None = None) -> Iterator[Job]:
+    """``jobs``, then each again under a new name (``<name>~<round>``, so that the gateway's
+    log tells where each request ran), ``rounds`` times in all (None: without end): a load
+    that lasts as long as the faults do."""
+    for r in itertools.count() if rounds is None else range(rounds):
+        for job in jobs:
+            yield job if r == 0 else dataclasses.replace(job, name=f"{job.name}~{r}")
 
 
 def reference_tokens(model_path: Path, jobs: Sequence[Job]) -> dict[str, list[int]]:

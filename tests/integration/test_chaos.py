@@ -3,7 +3,8 @@ kvstore replicas, Redis and a gateway, each a real process (the tiny Llama, floa
 serves a seeded load of greedy and sampled completions, streamed and not, 8 at a time,
 while in turn the decode worker serving live streams is SIGKILLed, a decode worker is
 SIGSTOPped past the stream idle timeout, a prefill worker, a kvstore replica and Redis are
-SIGKILLed, each started again as a supervisor would. No request fails, every output is
+SIGKILLed, each started again as a supervisor would. The load goes on (its jobs again,
+renamed) until the last fault is over. No request fails, every output is
 the fault-free engine's, every decode worker ends with all its blocks free, and the
 gateway's migration counter counts each stream the faults cut."""
 
@@ -24,6 +25,7 @@ from pdserve.testing.chaos import (
     decode_moves,
     make_jobs,
     reference_tokens,
+    repeated,
     routes,
 )
 from pdserve.testing.metrics import metric
@@ -32,10 +34,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "tiny"
 CONCURRENCY = 8
-NUM_JOBS = 100
+NUM_JOBS = 64  # distinct jobs: each runs at least once
+ROUNDS = 5  # at most: the load runs them again until the faults are over
 LOAD_S = 150.0  # the deadline of the whole load
 # Every engine step takes 30 ms longer (a real model's pace rather than the tiny one's),
-# so that streams live for seconds and the load outlasts the faults.
+# so that streams live for seconds, and the faults cut some.
 WORKER_ENV = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.03"}
 
 
@@ -55,7 +58,7 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
         started_s = time.monotonic() - t0
         await chaos.idle(10)  # the starting count: every block free
         load = Load(chaos.url, MODEL, CONCURRENCY)
-        async with load.running(jobs) as running:
+        async with load.running(repeated(jobs, ROUNDS)) as running:
             for kind in FAULTS:
                 fault = asyncio.create_task(chaos.hit(kind))
                 await asyncio.wait({fault, running}, timeout=120, return_when=FIRST_COMPLETED)
@@ -64,6 +67,8 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
                     await asyncio.gather(fault, return_exceptions=True)
                     break
                 fault.result()
+            await asyncio.wait_for(every_job_taken(load, running), LOAD_S)
+            load.stop.set()  # the clients end the requests they hold
             outcomes = await asyncio.wait_for(running, LOAD_S)
         await chaos.idle(30)
         log = chaos.gateway.log_text()
@@ -75,18 +80,18 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
         unhandled = chaos.cluster.unhandled_errors()
 
     failed = [f"{o.job.name}: {o.error}" for o in outcomes if o.error is not None]
-    assert failed == [] and len(outcomes) == NUM_JOBS
+    assert failed == [] and {o.job.base for o in outcomes} == {j.name for j in jobs}
     made = [f.kind for f in chaos.faults]
     assert made == list(FAULTS), f"the load ended after only {made}"
     for o in outcomes:
-        assert o.tokens == reference[o.job.name], f"{o.job.name} differs from the fault-free run"
+        assert o.tokens == reference[o.job.base], f"{o.job.name} differs from the fault-free run"
         assert o.finish == "length"
 
     # Every move left a decode worker a fault hit, and the counter counts each: the moves
     # out of the killed worker as "unavailable", those out of the frozen one as "stalled".
     by_victim = {f.kind: f.address for f in chaos.faults}
     seen = routes(log)
-    assert set(seen) == {j.name for j in jobs}
+    assert set(seen) == {o.job.name for o in outcomes}
     moved_from = Counter(src for route in seen.values() for src, _ in decode_moves(route))
     assert set(moved_from) <= {by_victim["decode-kill"], by_victim["decode-stop"]}
     assert moved_from[by_victim["decode-kill"]] >= 1 and moved_from[by_victim["decode-stop"]] >= 1
@@ -109,6 +114,12 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
             f"{f.kind} (load {f.load}) whole in {f.recovered_s:.1f} s" for f in chaos.faults
         )
     )
+
+
+async def every_job_taken(load: Load, running: asyncio.Task) -> None:
+    """Until each distinct job has been sent (or the load ended)."""
+    while len(load.outcomes) + CONCURRENCY < NUM_JOBS and not running.done():
+        await asyncio.sleep(0.2)
 
 
 async def test_a_stream_goes_back_to_a_worker_it_left_once_that_is_back(tiny_llama_path, tmp_path):
