@@ -127,9 +127,13 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def _generate_padded(model, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+def _generate_padded(
+    model, prompts: list[list[int]], max_new_tokens: int, processor=None, eos=()
+) -> list[Reference]:
+    """``_generate`` of ``prompts`` as one left-padded batch; with a logits ``processor``
+    (one grammar per row), a row's tokens end at its first of ``eos``, as alone."""
     if len(prompts) == 1:
-        return [_generate(model, prompts[0], max_new_tokens)]
+        return [_generate(model, prompts[0], max_new_tokens, processor=processor)]
     ids, mask = left_padded(prompts, pad_id=0)
     width = ids.shape[1]
     with torch.inference_mode():
@@ -139,16 +143,23 @@ def _generate_padded(model, prompts: list[list[int]], max_new_tokens: int) -> li
             max_new_tokens=max_new_tokens,
             do_sample=False,
             output_logits=True,
+            output_scores=True,
+            logits_processor=None if processor is None else [processor],
             return_dict_in_generate=True,
             pad_token_id=0,
         )
     refs = []
     for b, prompt in enumerate(prompts):
-        top2 = [step[b].float().topk(2).values for step in out.logits]
+        tokens = out.sequences[b, width:].tolist()
+        ends = [i for i, t in enumerate(tokens) if t in eos]
+        if ends:
+            del tokens[ends[0] + 1 :]
+        steps = out.logits if processor is None else out.scores
+        top2 = [step[b].float().topk(2).values for step in steps[: len(tokens)]]
         refs.append(
             Reference(
                 list(prompt),
-                out.sequences[b, width:].tolist(),
+                tokens,
                 [float(t[0] - t[1]) for t in top2],
                 [float(t[0]) for t in top2],
             )
@@ -157,12 +168,18 @@ def _generate_padded(model, prompts: list[list[int]], max_new_tokens: int) -> li
 
 
 def hf_greedy_structured(
-    model_path: Path, prompts: list[list[int]], max_new_tokens: int, specs, **generate_kwargs
+    model_path: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    specs,
+    batched: bool = False,
+    **generate_kwargs,
 ) -> list[Reference]:
     """transformers' greedy ``generate`` (float32) under the grammar of ``specs`` (one
     ``StructuredOutputs`` for every prompt, or a list of one each), masked by xgrammar's own
     transformers logits processor, stopping at the model's EOS as the engine does. The gaps
-    are those of the masked scores."""
+    are those of the masked scores. ``batched``: prompts of similar lengths together,
+    left-padded, each row under its own grammar (as ``hf_greedy``'s)."""
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from xgrammar.contrib.hf import LogitsProcessor
@@ -180,6 +197,19 @@ def hf_greedy_structured(
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
     model.generation_config.eos_token_id = eos
+    if batched and not generate_kwargs:
+        out: dict[int, Reference] = {}
+        for group in similar_lengths(prompts):
+            grammars = [compile_spec(compiler, specs[k]) for k in group]
+            refs = _generate_padded(
+                model,
+                [prompts[k] for k in group],
+                max_new_tokens,
+                processor=LogitsProcessor(grammars if len(group) > 1 else grammars[0]),
+                eos=set(eos),
+            )
+            out.update(zip(group, refs, strict=True))
+        return [out[k] for k in range(len(prompts))]
     return [
         _generate(
             model,

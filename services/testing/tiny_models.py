@@ -79,3 +79,30 @@ def build_tiny_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+
+
+def first_layers_checkpoint(source: Path, layers: int, path: Path) -> Path:
+    """A copy of the checkpoint at ``source`` keeping its first ``layers`` decoder layers
+    (the same shapes, weights, tokenizer; the final norm and head on top): a real model's
+    kernels at a fraction of a full model's compile time."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, path / f.name)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                continue
+            kept[name] = tensor
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -2,8 +2,15 @@
 
 One transformers reference per chat prompt (a few tokens up to 1,000+; the short ones
 generated together, left-padded: ``hf_greedy(batched=True)``) serves every
-engine configuration: alone and batched, chunked, preempted, prefix-cached. Each
-difference must be a genuine near-tie of the reference; they are printed.
+engine configuration: alone and batched, prefix-cached, speculating (also in chunks and
+preempted), under a JSON schema. Each difference must be a genuine near-tie of the reference; they
+are printed.
+
+The modes run on the plain (eager) model. The compiled step, the CPU's default, runs on
+SmolLM2's first two layers (its shapes, weights and kernels; ``first_layers_checkpoint``):
+inductor's cold compile of all 30 layers took 97 s of CPU alone on an AVX2 EPYC (twice
+that beside the suite's other worker), of the first two 36 s. The tiny models' tests run
+every mode both ways.
 """
 
 from __future__ import annotations
@@ -18,18 +25,23 @@ from pdserve.testing.reference import CHATS, compare, hf_greedy
 MAX_NEW = 48
 
 
-@pytest.fixture(scope="module")
-def refs(smollm2_path):
+def chat_prompts(path) -> list[list[int]]:
+    """The token ids of every chat of ``CHATS`` under the checkpoint's chat template."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok = AutoTokenizer.from_pretrained(path)
     prompts = []
     for chat in CHATS:
         ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] < 40 and lengths[-1] > 1000, lengths
-    return hf_greedy(smollm2_path, prompts, MAX_NEW, batched=True)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def refs(smollm2_path):
+    return hf_greedy(smollm2_path, chat_prompts(smollm2_path), MAX_NEW, batched=True)
 
 
 def _check(llm: LLM, refs, label: str) -> None:
@@ -58,17 +70,22 @@ def _llm(smollm2_path, enforce_eager: bool = False) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    """The compiled step, the CPU's default: every mode below runs on it (the tiny models'
-    tests run each mode on the plain model too)."""
-    return _llm(smollm2_path)
+    """The plain model: every mode below runs on it."""
+    return _llm(smollm2_path, enforce_eager=True)
 
 
 def test_all_prompts_together(llm, refs):
     _check(llm, refs, "together")
 
 
-def test_all_prompts_together_on_the_plain_model(smollm2_path, refs):
-    _check(_llm(smollm2_path, enforce_eager=True), refs, "together, eager")
+def test_the_compiled_step_on_the_first_two_layers(smollm2_path, tmp_path_factory):
+    from pdserve.testing.tiny_models import first_layers_checkpoint
+
+    path = first_layers_checkpoint(smollm2_path, 2, tmp_path_factory.mktemp("smollm2-2"))
+    refs = hf_greedy(path, chat_prompts(path), MAX_NEW, batched=True)
+    llm = _llm(path)
+    assert llm.engine.runner.mode == "compiled"
+    _check(llm, refs, "together, compiled, 2 layers")
 
 
 def test_alone(llm, refs):
@@ -88,21 +105,6 @@ def test_32_mixed_requests_together_hit_the_prefix_cache(llm, refs):
     assert llm.stats().prefix_cache_hits > hits_before
 
 
-def test_chunked_prefill_and_preemption(smollm2_path, refs):
-    # Chunks of 64 tokens, and 140 blocks of 16 tokens: the longest request fits alone,
-    # the whole set does not, so requests are preempted and their prefill recomputed.
-    llm = LLM(
-        model=str(smollm2_path),
-        dtype="float32",
-        max_model_len=2048,
-        num_kv_blocks=140,
-        max_num_batched_tokens=64,
-    )
-    _check(llm, refs, "chunked64-preempted")
-    stats = llm.stats()
-    assert stats.num_preemptions > 0
-
-
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 
@@ -110,20 +112,23 @@ SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4}'
     "engine_args",
     [
         dict(kv_cache_memory="512MiB"),
-        # 140 blocks: preempted (see test_chunked_prefill_and_preemption), and prompts in
-        # chunks of 256.
+        # 140 blocks of 16 tokens: the longest request fits alone, the whole set does
+        # not, so requests are preempted and their prefill recomputed; prompts in chunks
+        # of 256.
         dict(num_kv_blocks=140, max_num_batched_tokens=256),
     ],
     ids=["batched-prefix-cached", "preempted-chunked256"],
 )
 def test_speculation_matches_transformers(smollm2_path, refs, engine_args):
-    """n-gram speculation on the compiled step: the same tokens, and the drafts of the
-    prompts that repeat themselves (the shipping log, the story) accepted."""
+    """n-gram speculation, alone or with chunked prefill and preemption (the tiny models'
+    tests also run those without it): the same tokens, and the drafts of the prompts that
+    repeat themselves (the shipping log, the story) accepted."""
     llm = LLM(
         model=str(smollm2_path),
         dtype="float32",
         max_model_len=2048,
         speculative_config=SPECULATIVE,
+        enforce_eager=True,
         **engine_args,
     )
     _check(llm, refs, "speculative")
@@ -157,7 +162,7 @@ def json_refs(smollm2_path):
         )
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         specs.append(StructuredOutputs(json=json.dumps(schema)))
-    refs = hf_greedy_structured(smollm2_path, prompts, JSON_MAX_NEW, specs)
+    refs = hf_greedy_structured(smollm2_path, prompts, JSON_MAX_NEW, specs, batched=True)
     return list(zip(specs, refs, strict=True))
 
 
