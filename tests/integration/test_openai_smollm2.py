@@ -55,11 +55,22 @@ CHATS = [
 ]
 
 
-def test_greedy_chat_equals_the_in_process_engine(client, smollm2_path):
-    llm = LLM(
-        model=str(smollm2_path), dtype="float32", max_model_len=2048, kv_cache_memory="256MiB"
+@pytest.fixture(scope="module")
+def engine(smollm2_path) -> LLM:
+    """The in-process engine the cluster's answers are held to: the plain model, as the
+    cluster's workers run it (``PDSERVE_ENFORCE_EAGER``); the compiled step's exactness is
+    test_exactness_smollm2's."""
+    return LLM(
+        model=str(smollm2_path),
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory="256MiB",
+        enforce_eager=True,
     )
-    want = llm.chat(CHATS, SamplingParams(max_tokens=48, temperature=0))
+
+
+def test_greedy_chat_equals_the_in_process_engine(client, engine):
+    want = engine.chat(CHATS, SamplingParams(max_tokens=48, temperature=0))
     for messages, expected in zip(CHATS, want, strict=True):
         resp = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=messages, max_tokens=48, temperature=0
@@ -103,9 +114,7 @@ def _spec_counters(address: str) -> dict[str, float]:
     }
 
 
-def test_a_speculating_decode_worker_streams_what_the_engine_alone_gives(
-    client, cluster, smollm2_path
-):
+def test_a_speculating_decode_worker_streams_what_the_engine_alone_gives(client, cluster, engine):
     """The prompt is prefilled by the prefill worker; the decode worker speculates on the
     imported request, and its stream is the text of an engine that does not speculate."""
     text = (
@@ -114,10 +123,7 @@ def test_a_speculating_decode_worker_streams_what_the_engine_alone_gives(
         "before the winter began. My neighbour replaced a broken clock without any help."
     )
     messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]
-    plain = LLM(
-        model=str(smollm2_path), dtype="float32", max_model_len=2048, kv_cache_memory="256MiB"
-    )
-    want = plain.chat([messages], SamplingParams(max_tokens=80, temperature=0))[0]
+    want = engine.chat([messages], SamplingParams(max_tokens=80, temperature=0))[0]
     before = _spec_counters(rest_address(cluster))
     stream = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=80, temperature=0, stream=True

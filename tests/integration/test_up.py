@@ -255,8 +255,10 @@ def _stream_tokens(rest: str, started: threading.Event, result: dict) -> None:
 
 
 def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp_path):
-    # Slower steps: a stream is still running when its decode worker is killed.
-    slow = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.02"}
+    # Slower steps: a stream is still running when its decode worker is killed. The plain
+    # model (test_up_serves_a_chat_request_and_ctrl_c_stops_everything runs the compiled
+    # step): each worker's start, and restart, is then seconds shorter.
+    slow = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.02", "PDSERVE_ENFORCE_EAGER": "1"}
     proc = _start_up(
         "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
         "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
