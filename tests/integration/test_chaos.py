@@ -4,9 +4,9 @@ serves a seeded load of greedy and sampled completions, streamed and not, 8 at a
 while in turn the decode worker serving live streams is SIGKILLed, a decode worker is
 SIGSTOPped past the stream idle timeout, a prefill worker, a kvstore replica and Redis are
 SIGKILLed, each started again as a supervisor would. The load goes on (its jobs again,
-renamed) until the last fault is over. No request fails, every output is
-the fault-free engine's, every decode worker ends with all its blocks free, and the
-gateway's migration counter counts each stream the faults cut."""
+renamed) until the last fault is over. No request fails, every output is the fault-free
+engine's, every decode worker ends with all its blocks free, and the gateway's migration
+counter counts each stream the faults cut."""
 
 from __future__ import annotations
 
