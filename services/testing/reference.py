@@ -128,12 +128,18 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def _generate_padded(
-    model, prompts: list[list[int]], max_new_tokens: int, processor=None, eos=()
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    repetition_penalty: float = 1.0,
+    processor=None,
+    eos=(),
+    **kwargs,
 ) -> list[Reference]:
-    """``_generate`` of ``prompts`` as one left-padded batch; with a logits ``processor``
-    (one grammar per row), a row's tokens end at its first of ``eos``, as alone."""
-    if len(prompts) == 1:
-        return [_generate(model, prompts[0], max_new_tokens, processor=processor)]
+    """transformers' greedy ``generate`` of ``prompts`` as one left-padded batch (one prompt:
+    no padding). The gaps are those of the raw logits, or with a repetition penalty or a
+    logits ``processor`` (one grammar per row) of the scores the argmax saw; a row's tokens
+    end at its first of ``eos``, where generation stops for a prompt alone."""
     ids, mask = left_padded(prompts, pad_id=0)
     width = ids.shape[1]
     with torch.inference_mode():
@@ -144,17 +150,20 @@ def _generate_padded(
             do_sample=False,
             output_logits=True,
             output_scores=True,
+            repetition_penalty=repetition_penalty,
             logits_processor=None if processor is None else [processor],
             return_dict_in_generate=True,
             pad_token_id=0,
+            **kwargs,
         )
+    plain = repetition_penalty == 1.0 and processor is None
+    steps = out.logits if plain else out.scores
     refs = []
     for b, prompt in enumerate(prompts):
         tokens = out.sequences[b, width:].tolist()
         ends = [i for i, t in enumerate(tokens) if t in eos]
         if ends:
             del tokens[ends[0] + 1 :]
-        steps = out.logits if processor is None else out.scores
         top2 = [step[b].float().topk(2).values for step in steps[: len(tokens)]]
         refs.append(
             Reference(
@@ -222,31 +231,9 @@ def hf_greedy_structured(
     ]
 
 
-def _generate(
-    model, prompt, max_new_tokens, repetition_penalty=1.0, processor=None, **kwargs
-) -> Reference:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            output_scores=True,
-            repetition_penalty=repetition_penalty,
-            logits_processor=None if processor is None else [processor],
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            **kwargs,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    gaps, best = [], []
-    plain = repetition_penalty == 1.0 and processor is None
-    for step_logits in out.logits if plain else out.scores:
-        top2 = step_logits[0].float().topk(2).values
-        gaps.append(float(top2[0] - top2[1]))
-        best.append(float(top2[0]))
-    return Reference(list(prompt), tokens, gaps, best)
+def _generate(model, prompt: list[int], max_new_tokens: int, **kwargs) -> Reference:
+    """``_generate_padded`` of one prompt."""
+    return _generate_padded(model, [prompt], max_new_tokens, **kwargs)[0]
 
 
 def hf_greedy_tokens(model_path: Path, prompts: dict, max_new_tokens: int) -> dict:
