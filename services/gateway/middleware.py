@@ -1,4 +1,5 @@
-"""The REST front's ASGI middleware: request ids, the API key, and the body size limit.
+"""The REST front's ASGI middleware: the root path, request ids, the API key, and the body
+size limit.
 
 Each refuses a request before FastAPI sees it, in OpenAI's error shape.
 """
@@ -25,6 +26,33 @@ async def send_error(scope: dict, receive: Any, send: Any, error: APIError, **he
     """Answer the request with ``error`` as OpenAI's JSON."""
     response = JSONResponse(error.body(), status_code=error.status, headers=headers or None)
     await response(scope, receive, send)
+
+
+class RootPathMiddleware:
+    """Serves the API under ``root_path`` as well as at the top (vLLM's ``--root-path``):
+    for a proxy that forwards ``/llm/v1/...`` unchanged, or one that strips the prefix.
+    A request under the prefix has it taken off ``path`` and recorded in the scope's
+    ``root_path`` (ASGI's place for it) before any other middleware reads the path, so the
+    API key, the body limit and the routes see the same path either way."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and (
+            path == self.root_path or path.startswith(self.root_path + "/")
+        ):
+            rest = path[len(self.root_path) :] or "/"
+            scope = {
+                **scope,
+                "path": rest,
+                "root_path": scope.get("root_path", "") + self.root_path,
+            }
+            if scope.get("raw_path"):
+                scope["raw_path"] = scope["raw_path"][len(self.root_path) :] or b"/"
+        await self.app(scope, receive, send)
 
 
 class RequestIdMiddleware:

@@ -30,6 +30,7 @@ from pdserve.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdMiddleware,
+    RootPathMiddleware,
 )
 from pdserve.gateway.openai_errors import APIError, validation_message
 from pdserve.gateway.openai_params import (
@@ -93,11 +94,14 @@ def create_app(served: Served) -> FastAPI:
         served.model_name, served.limits.max_model_len, served.admission, served.orchestrator
     )
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-    # The last added runs first: ids on every answer, then the key, then the body's size.
+    # The last added runs first: the root path off, ids on every answer, then the key, then
+    # the body's size.
     app.add_middleware(BodyLimitMiddleware, max_bytes=served.max_body_bytes)
     if served.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=served.api_key)
     app.add_middleware(RequestIdMiddleware)
+    if served.openai.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=served.openai.root_path)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:

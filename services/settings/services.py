@@ -242,6 +242,11 @@ class OpenAISettings:
         False, "serve GET /tokenizer_info (the tokenizer's configuration and chat template)"
     )
     max_prompts: int = setting(64, "most prompts one /v1/completions request may batch")
+    root_path: str | None = setting(
+        None,
+        "a path prefix the API is also served under (e.g. /llm: /llm/v1/... beside /v1/...), "
+        "for a reverse proxy that forwards it unchanged",
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -249,6 +254,17 @@ class OpenAISettings:
             f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})",
         )
         check(self.max_prompts >= 1, f"--max-prompts must be at least 1, got {self.max_prompts}")
+        check(
+            self.root_path is None
+            or (
+                self.root_path.startswith("/")
+                and self.root_path.rstrip("/") != ""
+                and "//" not in self.root_path
+                and not any(c.isspace() or c in "?#" for c in self.root_path)
+            ),
+            f"--root-path must be a path such as /llm (a leading /, no spaces, ? or #), got "
+            f"{self.root_path!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The OpenAI REST app in this process over fake decode workers: a client that leaves cancels
 the decode call, and the guards answer overload (429), no worker (503), a large body (413)
-and a wrong API key (401) in OpenAI's shape."""
+and a wrong API key (401) in OpenAI's shape, under a root path too."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pdserve.gateway.http import HttpServer
 from pdserve.gateway.openai_api import Served, create_app
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.requests import ModelLimits
+from pdserve.settings.services import OpenAISettings
 from tests.helpers.fake_workers import FakeDecode, orchestrating, serving
 from tests.helpers.openai_errors import openai_error
 
@@ -147,3 +148,29 @@ async def test_api_key_guards_the_v1_routes(tiny_llama_path):
         bad = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", timeout=20, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
+
+
+async def test_root_path_serves_the_api_under_a_prefix_too(tiny_llama_path):
+    """vLLM's ``--root-path /llm``: /llm/v1/... and /v1/... are the same API, the key guards
+    both, and a path that only begins with the prefix's letters is not under it."""
+    settings = OpenAISettings(root_path="/llm/")
+    async with rest_over_fake_decode(tiny_llama_path, api_key="sekret", openai=settings) as (
+        client,
+        _,
+    ):
+        base = str(client.base_url)
+        key = {"authorization": "Bearer sekret"}
+        for prefix in ("", "/llm"):
+            assert openai_error(await client.get(f"{prefix}/v1/models"), 401)["code"] == (
+                "invalid_api_key"
+            )
+            models = await client.get(f"{prefix}/v1/models", headers=key)
+            assert models.status_code == 200
+            assert models.json()["data"][0]["id"] == MODEL_NAME
+            assert (await client.get(f"{prefix}/health")).status_code == 200
+        assert (await client.get("/llmx/v1/models", headers=key)).status_code == 404
+        assert (await client.get("/llm", headers=key)).status_code == 404
+        good = openai.AsyncOpenAI(base_url=f"{base}/llm/v1", api_key="sekret", timeout=20)
+        stream = await good.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, stream=True)
+        async with stream:
+            assert (await anext(aiter(stream))).choices[0].text is not None

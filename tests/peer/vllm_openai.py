@@ -27,9 +27,9 @@ that model's exact output or template then fail ("model-specific"). The ``vllm s
 flags pdserve has are passed on (``--max-model-len``, ``--served-model-name``,
 ``--enable-auto-tool-choice``, ``--tool-call-parser``, ``--chat-template``,
 ``--enable-prompt-tokens-details``, ``--return-tokens-as-token-ids``,
-``--enable-tokenizer-info-endpoint``, ``--enable-force-include-usage``, ``--max-logprobs``
-(capped at pdserve's 20), ``--api-key``/``VLLM_API_KEY``, ``--seed``, ``--host``,
-``--port``); the rest are ignored and listed per server in ``<workdir>/logs/servers.log``.
+``--enable-tokenizer-info-endpoint``, ``--enable-force-include-usage``, ``--root-path``,
+``--max-logprobs`` (capped at pdserve's 20), ``--api-key``/``VLLM_API_KEY``, ``--seed``,
+``--host``, ``--port``); the rest are ignored and listed per server in ``<workdir>/logs/servers.log``.
 
 Excluded from the default selection (``tests/entrypoints/openai`` and
 ``tests/entrypoints/serve``), as out of scope:

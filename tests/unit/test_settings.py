@@ -18,6 +18,7 @@ from pdserve.settings.services import (
     DecodeSettings,
     GatewaySettings,
     KVStoreSettings,
+    OpenAISettings,
     PrefillSettings,
 )
 
@@ -100,12 +101,18 @@ def test_repeatable_flags_replace_the_variables_list(monkeypatch):
         ("PDSERVE_ENABLE_PREFIX_CACHING", "maybe", "PDSERVE_ENABLE_PREFIX_CACHING='maybe'"),
         ("PDSERVE_LOG_FORMAT", "xml", "PDSERVE_LOG_FORMAT"),
         ("PDSERVE_BLOCK_SIZE", "12", "--block-size must be a power of two"),
+        ("PDSERVE_ROOT_PATH", "llm", "--root-path must be a path such as /llm"),
+        ("PDSERVE_ROOT_PATH", "/", "--root-path must be a path such as /llm"),
+        ("PDSERVE_ROOT_PATH", "/a b", "--root-path must be a path such as /llm"),
     ],
 )
 def test_a_bad_variable_exits_2_naming_it(monkeypatch, capsys, env, value, named):
     monkeypatch.setenv(env, value)
+    cls, argv = (DecodeSettings, [])
+    if env == "PDSERVE_ROOT_PATH":
+        cls, argv = (GatewaySettings, ["--no-disaggregation", "--decode", "127.0.0.1:1"])
     with pytest.raises(SystemExit) as raised:
-        parse_settings(DecodeSettings, [], "pdserve decode", "")
+        parse_settings(cls, argv, "pdserve x", "")
     assert raised.value.code == 2
     assert named in capsys.readouterr().err
 
@@ -137,6 +144,9 @@ def test_misspelled_variables_are_warned_about_with_a_suggestion(caplog):
         DecodeSettings(engine=EngineArgs(enable_prefix_caching=False, max_model_len=512)),
         KVStoreSettings(capacity_bytes="3MiB"),
         GatewaySettings(decode_addrs=("a:1", "b:2"), disaggregation=False, api_key="k"),
+        GatewaySettings(
+            decode_addrs=("a:1",), disaggregation=False, openai=OpenAISettings(root_path="/llm")
+        ),
         UpSettings(num_prefill=2, engine=EngineArgs(num_kv_blocks=64)),
     ],
     ids=lambda s: type(s).__name__,

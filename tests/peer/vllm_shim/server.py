@@ -148,6 +148,9 @@ def pdserve_commands(
         asked = int(_first(flags, "--max-logprobs"))
         gateway += ["--max-logprobs", str(max(0, min(asked, PDSERVE_MAX_LOGPROBS)))]
         used.add("--max-logprobs")
+    if _first(flags, "--root-path"):
+        gateway += ["--root-path", _first(flags, "--root-path")]
+        used.add("--root-path")
     key = _first(flags, "--api-key") or env.get("VLLM_API_KEY")
     if key:
         gateway += ["--api-key", key]
