@@ -25,6 +25,7 @@ from pdserve.gateway.admission import Admission, Overloaded
 from pdserve.gateway.batch_chat import conversations, merged
 from pdserve.gateway.chat_reply import ChatOptions, ChatReply
 from pdserve.gateway.generation import generate_many
+from pdserve.gateway.load_report import FORMAT_HEADER, named_metrics, report_header, server_load
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.middleware import (
     ApiKeyMiddleware,
@@ -154,6 +155,11 @@ def create_app(served: Served) -> FastAPI:
             "max_model_len": served.limits.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's server load: generation requests in this gateway, running and queued."""
+        return {"server_load": server_load(served.admission)}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -329,7 +335,12 @@ async def _run(
         chunks = generate_many(served.orchestrator, served.tokenizer, requests, telemetry)
         if not body.stream:
             result = await unless_disconnected(request, reply.whole(chunks))
-            return JSONResponse(result)
+            fmt = request.headers.get(FORMAT_HEADER)
+            if not fmt:
+                return JSONResponse(result)
+            router = served.orchestrator.router
+            headers = report_header(fmt, named_metrics(served.admission, router))
+            return JSONResponse(result, headers=headers)
         # The first message before the headers: an unreachable worker is then a 503, not
         # an error event inside a 200 stream.
         first = await unless_disconnected(request, first_message(chunks))

@@ -5,6 +5,7 @@ and a wrong API key (401) in OpenAI's shape, under a root path too."""
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 
 import httpx
@@ -29,10 +30,11 @@ PROMPT_IDS = [11, 57, 203, 9, 140, 33, 77, 5, 300, 41]
 
 
 @asynccontextmanager
-async def rest_over_fake_decode(tiny_llama_path, **guards):
-    """The REST app in this process over a fake decode worker that streams until cancelled;
-    ``guards`` are Served's api_key, max_body_bytes and admission."""
-    decode = FakeDecode([], [[5]] * 1000, delay_s=0.02)
+async def rest_over_fake_decode(tiny_llama_path, num_tokens=1000, **guards):
+    """The REST app in this process over a fake decode worker that streams ``num_tokens``
+    (by default: until cancelled); ``guards`` are Served's api_key, max_body_bytes,
+    admission and openai settings."""
+    decode = FakeDecode([], [[5]] * num_tokens, delay_s=0.02)
     tokenizer = Tokenizer.from_dir(tiny_llama_path)
     async with serving(decode) as (d,), orchestrating([], [d], disaggregation=False) as orch:
         limits = ModelLimits(MAX_MODEL_LEN, 512)
@@ -174,3 +176,48 @@ async def test_root_path_serves_the_api_under_a_prefix_too(tiny_llama_path):
         stream = await good.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, stream=True)
         async with stream:
             assert (await anext(aiter(stream))).choices[0].text is not None
+
+
+# -- load reports: vLLM's /load and ORCA's endpoint-load-metrics ----------------------------
+
+
+async def test_load_counts_the_requests_in_the_gateway(tiny_llama_path):
+    async with rest_over_fake_decode(tiny_llama_path) as (client, decode):
+        assert (await client.get("/load")).json() == {"server_load": 0}
+        body = {**BODY, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert (await anext(response.aiter_lines())).startswith("data: {")
+            assert (await client.get("/load")).json() == {"server_load": 1}
+        await asyncio.wait_for(decode.cancelled.wait(), 5)
+        for _ in range(50):  # the slot is freed as the stream's task ends
+            if (await client.get("/load")).json()["server_load"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await client.get("/load")).json() == {"server_load": 0}
+
+
+async def test_orca_load_report_when_a_request_asks_for_one(tiny_llama_path):
+    async with rest_over_fake_decode(tiny_llama_path, num_tokens=3) as (client, _):
+        short = {**BODY, "max_tokens": 3}
+        plain = await client.post("/v1/completions", json=short)
+        assert plain.status_code == 200 and "endpoint-load-metrics" not in plain.headers
+        text = await client.post(
+            "/v1/completions", json=short, headers={"endpoint-load-metrics-format": "TEXT"}
+        )
+        assert text.status_code == 200
+        # Static pools report no KV blocks: only the queue (this gateway's and the workers').
+        assert text.headers["endpoint-load-metrics"] == (
+            "TEXT named_metrics.num_requests_waiting=0.0"
+        )
+        # Chat and completions answer through the same path (the tiny model has no template).
+        answer = await client.post(
+            "/v1/completions", json=short, headers={"endpoint-load-metrics-format": "json"}
+        )
+        assert answer.status_code == 200, answer.text
+        kind, _, report = answer.headers["endpoint-load-metrics"].partition(" ")
+        assert kind == "JSON"
+        assert json.loads(report) == {"named_metrics": {"num_requests_waiting": 0.0}}
+        other = await client.post(
+            "/v1/completions", json=short, headers={"endpoint-load-metrics-format": "xml"}
+        )
+        assert other.status_code == 200 and "endpoint-load-metrics" not in other.headers
