@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Most ids one request may ask logprobs of (vLLM's bound).
+MAX_LOGPROB_TOKEN_IDS = 128
 # OpenAI's range for a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
 # A temperature below this samples greedily, as in vLLM: dividing logits by it would
@@ -97,6 +99,8 @@ class SamplingParams:
     completed), and ``min_tokens`` (no stop token before that many); ``logit_bias`` adds to
     tokens' logits (a dict or (token, bias) pairs). ``prompt_logprobs``: the logprobs of
     every prompt token after the first, with the top n at each position.
+    ``logprob_token_ids`` (with ``logprobs``): at each generated position, the logprobs of
+    these tokens and of the chosen one instead of the top n (vLLM's field of that name).
     """
 
     max_tokens: int = 16
@@ -117,6 +121,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
@@ -125,6 +130,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in pairs)))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logprob_token_ids is not None:
+            object.__setattr__(self, "logprob_token_ids", tuple(self.logprob_token_ids))
         words = tuple(tuple(w) for w in self.bad_words_token_ids or ())
         object.__setattr__(self, "bad_words_token_ids", words)
         self._check_values()
@@ -208,12 +215,24 @@ class SamplingParams:
                 bool(word) and all(_is_int(t) and t >= 0 for t in word),
                 f"bad_words_token_ids: {list(word)!r} is not a non-empty list of token ids",
             )
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            _check(
+                0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS and all(_is_int(t) and t >= 0 for t in ids),
+                f"logprob_token_ids must be 1 to {MAX_LOGPROB_TOKEN_IDS} token ids, got "
+                f"{list(ids)[:8]!r}{'...' if len(ids) > 8 else ''}",
+            )
+            _check(
+                self.logprobs is not None,
+                "logprob_token_ids must be sent with logprobs (their logprobs take the "
+                "top-n's place)",
+            )
 
     def token_ids_used(self) -> list[int]:
         """Every token id the parameters name (to check against a vocabulary)."""
         ids = [*self.stop_token_ids, *(t for t, _ in self.logit_bias)]
         ids += [*(self.allowed_token_ids or ()), *(t for w in self.bad_words_token_ids for t in w)]
-        return ids
+        return [*ids, *(self.logprob_token_ids or ())]
 
     @property
     def greedy(self) -> bool:

@@ -157,7 +157,8 @@ class Sampler:
         if want:
             picked = [token_list[i] for i in want]
             tops = [seqs[i].params.logprobs for i in want]
-            for i, lp in zip(want, token_logprobs(raw[want], picked, tops), strict=True):
+            chosen = [seqs[i].params.logprob_token_ids for i in want]
+            for i, lp in zip(want, token_logprobs(raw[want], picked, tops, chosen), strict=True):
                 logprobs[i] = lp
         return Samples(token_list, logprobs, errors)
 
@@ -253,23 +254,34 @@ def _top_p_by_sort(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
-def token_logprobs(raw: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprobs]:
-    """Logprobs of each row's chosen token and its top ``top_n[r]`` (raw: [R, vocab])."""
+def token_logprobs(
+    raw: torch.Tensor,
+    tokens: list[int],
+    top_n: list[int],
+    token_ids: list[tuple[int, ...] | None] | None = None,
+) -> list[TokenLogprobs]:
+    """Logprobs of each row's chosen token and its top ``top_n[r]`` (raw: [R, vocab]); a
+    row with ``token_ids[r]`` gets those ids' logprobs and the chosen one's instead."""
     lp = torch.log_softmax(raw, dim=-1)
     chosen_t = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])
     ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
     chosen = chosen_t[:, 0].tolist()
-    n = max(top_n)
+    token_ids = token_ids or [None] * len(tokens)
+    n = max(0 if token_ids[r] else top_n[r] for r in range(len(tokens)))
     top_values, top_ids = lp.topk(n, dim=-1) if n else (None, None)
     values = top_values.tolist() if n else [[]] * len(tokens)
     ids = top_ids.tolist() if n else [[]] * len(tokens)
+    tops = [
+        dict(zip(ids[r][: top_n[r]], values[r][: top_n[r]], strict=True))
+        for r in range(len(tokens))
+    ]
+    for r, asked in enumerate(token_ids):
+        if asked:
+            named = sorted({*asked, tokens[r]})
+            rows = lp[r, torch.tensor(named, device=lp.device)].tolist()
+            tops[r] = dict(zip(named, rows, strict=True))
     return [
-        TokenLogprobs(
-            token_id=t,
-            logprob=c,
-            top=dict(zip(ids[r][: top_n[r]], values[r][: top_n[r]], strict=True)),
-            rank=ranks[r],
-        )
+        TokenLogprobs(token_id=t, logprob=c, top=tops[r], rank=ranks[r])
         for r, (t, c) in enumerate(zip(tokens, chosen, strict=True))
     ]
 

@@ -31,9 +31,6 @@ REFUSED: dict[str, Refused] = {
     "early_stopping": Refused(_BEAM, (False, None)),
     "best_of": Refused("best_of picks among more samples than it returns; send n", (None, 1)),
     "watermarking": Refused(_VLLM_INTERNAL, (None, False)),
-    "logprob_token_ids": Refused(
-        "logprobs of chosen token ids are not computed; send logprobs/top_logprobs", (None, ())
-    ),
     "cache_salt": Refused("prefix caches are shared by every request of a cluster"),
     "priority": Refused("requests are scheduled first come, first served", (0, None)),
     "kv_transfer_params": Refused("pdserve moves KV between its own workers", (None, {})),
@@ -286,6 +283,11 @@ SERVED: dict[str, Served] = {
         "vLLM",
         "only these tokens may be generated; empty or out of the vocabulary: 400",
         (_S + "test_token_rules_change_the_output_as_asked",),
+    ),
+    "logprob_token_ids": Served(
+        "vLLM",
+        "with logprobs: at each generated token, the logprobs of these ids and of the chosen token in place of the top n (top_logprobs then lists each); at most 128, in the vocabulary; not with echo and max_tokens 0",
+        (_S + "test_logprob_token_ids_replace_the_top_n",),
     ),
     "bad_words": Served(
         "vLLM",

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.core.sampling import MAX_LOGIT_BIAS, StructuredOutputs
+from pdserve.core.sampling import MAX_LOGIT_BIAS, MAX_LOGPROB_TOKEN_IDS, StructuredOutputs
 from pdserve.core.tokenizer import ChatTemplateError, Tokenizer
 from pdserve.gateway.openai_errors import APIError, bad_request
 from pdserve.gateway.openai_protocol import (
@@ -197,10 +197,12 @@ def sampling(
         )
     if body.seed is not None:
         params.seed = body.seed % SEED_SPACE
-    top_n = logprobs_asked(body)
+    top_n = _top_logprobs(body)
     if top_n is not None:
         _check_logprobs(top_n, limits, "top_logprobs" if chat else "logprobs")
         params.logprobs = top_n
+    if body.logprob_token_ids:
+        params.logprob_token_ids.extend(_logprob_token_ids(body, top_n, limits))
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and not chat and body.echo and body.logprobs is not None:
         prompt_logprobs = body.logprobs  # echo shows the prompt's logprobs too
@@ -218,10 +220,49 @@ def sampling(
 
 
 def logprobs_asked(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """Logprobs per generated token the answer lists (the top n, or each of
+    ``logprob_token_ids`` and the chosen token), or None for no logprobs."""
+    top_n = _top_logprobs(body)
+    if top_n is not None and body.logprob_token_ids:
+        return len(set(body.logprob_token_ids)) + 1
+    return top_n
+
+
+def _top_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     """Top-n logprobs per token the client asked for, or None for no logprobs."""
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+def _logprob_token_ids(
+    body: ChatCompletionRequest | CompletionRequest, top_n: int | None, limits: ModelLimits
+) -> list[int]:
+    """vLLM's ``logprob_token_ids``, checked as vLLM checks them."""
+    ids, param = body.logprob_token_ids or [], "logprob_token_ids"
+    if top_n is None:
+        asks = "logprobs: true" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise bad_request(f"when using logprob_token_ids, {asks} must be set", param)
+    if isinstance(body, CompletionRequest) and body.echo and body.max_tokens == 0:
+        raise bad_request(
+            "logprob_token_ids is not supported when echo=True and max_tokens=0 because no "
+            "output tokens are generated",
+            param,
+        )
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise bad_request(
+            f"Requested logprob_token_ids of length {len(ids)}, which is greater than max "
+            f"allowed: {MAX_LOGPROB_TOKEN_IDS}",
+            param,
+        )
+    outside = [t for t in ids if t >= limits.vocab_size]
+    if outside:
+        raise bad_request(
+            f"token_id(s) {outside} in logprob_token_ids contain out-of-vocab token ids. "
+            f"Vocabulary size: {limits.vocab_size}",
+            param,
+        )
+    return ids
 
 
 def _check_logprobs(n: int, limits: ModelLimits, param: str) -> None:

@@ -123,7 +123,6 @@ class _Refusals(OpenAIBase):
     length_penalty: float | None = 1.0
     early_stopping: bool | None = False
     watermarking: bool | None = None
-    logprob_token_ids: list[int] | None = None
     cache_salt: str | None = None
     priority: int | None = 0
     kv_transfer_params: dict[str, Any] | None = None
@@ -190,6 +189,7 @@ class _Sampling(_Refusals):
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    logprob_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     request_id: str | None = None  # the client's id for it (as x-request-id)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xdc\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x39\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12*\n\tbad_words\x18\x11 \x03(\x0b\x32\x17.pdserve.v1.TokenIdList\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x90\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.StringListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1c\n\nStringList\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9b\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x03top\x18\x03 \x03(\x0b\x32!.pdserve.v1.TokenLogprob.TopEntry\x12\x0c\n\x04rank\x18\x04 \x01(\r\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x98\x01\n\x0b\x42lockLayout\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\"\x83\x01\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\x07H\x00\x88\x01\x01\x42\x0b\n\t_checksumb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf7\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x39\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12*\n\tbad_words\x18\x11 \x03(\x0b\x32\x17.pdserve.v1.TokenIdList\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x11logprob_token_ids\x18\x13 \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x90\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.StringListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1c\n\nStringList\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9b\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x03top\x18\x03 \x03(\x0b\x32!.pdserve.v1.TokenLogprob.TopEntry\x12\x0c\n\x04rank\x18\x04 \x01(\r\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x98\x01\n\x0b\x42lockLayout\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\"\x83\x01\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\'\n\x06layout\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\x07H\x00\x88\x01\x01\x42\x0b\n\t_checksumb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB_TOPENTRY']._loaded_options = None
   _globals['_TOKENLOGPROB_TOPENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=644
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=554
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=602
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=647
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=791
-  _globals['_STRINGLIST']._serialized_start=793
-  _globals['_STRINGLIST']._serialized_end=821
-  _globals['_TOKENIDLIST']._serialized_start=823
-  _globals['_TOKENIDLIST']._serialized_end=849
-  _globals['_TOKENLOGPROB']._serialized_start=852
-  _globals['_TOKENLOGPROB']._serialized_end=1007
-  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_start=965
-  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_end=1007
-  _globals['_USAGE']._serialized_start=1009
-  _globals['_USAGE']._serialized_end=1096
-  _globals['_BLOCKLAYOUT']._serialized_start=1099
-  _globals['_BLOCKLAYOUT']._serialized_end=1251
-  _globals['_BLOCK']._serialized_start=1254
-  _globals['_BLOCK']._serialized_end=1385
+  _globals['_SAMPLINGPARAMS']._serialized_end=671
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=581
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=629
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=674
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=818
+  _globals['_STRINGLIST']._serialized_start=820
+  _globals['_STRINGLIST']._serialized_end=848
+  _globals['_TOKENIDLIST']._serialized_start=850
+  _globals['_TOKENIDLIST']._serialized_end=876
+  _globals['_TOKENLOGPROB']._serialized_start=879
+  _globals['_TOKENLOGPROB']._serialized_end=1034
+  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_start=992
+  _globals['_TOKENLOGPROB_TOPENTRY']._serialized_end=1034
+  _globals['_USAGE']._serialized_start=1036
+  _globals['_USAGE']._serialized_end=1123
+  _globals['_BLOCKLAYOUT']._serialized_start=1126
+  _globals['_BLOCKLAYOUT']._serialized_end=1278
+  _globals['_BLOCK']._serialized_start=1281
+  _globals['_BLOCK']._serialized_end=1412
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,7 @@ def sampling_from_proto(
         allowed_token_ids=tuple(p.allowed_token_ids) or None,
         bad_words_token_ids=tuple(tuple(w.ids) for w in p.bad_words),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        logprob_token_ids=tuple(p.logprob_token_ids) or None,
     )
 
 
@@ -74,6 +75,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     proto.bad_words.extend(common_pb2.TokenIdList(ids=w) for w in params.bad_words_token_ids)
     if params.prompt_logprobs is not None:
         proto.prompt_logprobs = params.prompt_logprobs
+    proto.logprob_token_ids.extend(params.logprob_token_ids or ())
     return proto
 
 

@@ -1,5 +1,5 @@
 """What agents and evaluators send, against a real gateway over a decode worker (the tiny
-Llama, float32): batched and echoed prompts, prompt logprobs, the token rules (logit_bias,
+Llama, float32): batched and echoed prompts, prompt logprobs, logprob_token_ids, the token rules (logit_bias,
 allowed_token_ids, bad_words, min_tokens, stop_token_ids), chat template options, vLLM's
 tokenizer endpoints, the placements of return_token_ids, continuous usage, and the gRPC
 front's share of them. Each output is checked against the engine's own (``LLM``)."""
@@ -126,6 +126,60 @@ def test_prompt_logprobs_field(http, llm):
         max_tokens=1,
     )
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+
+
+def test_logprob_token_ids_replace_the_top_n(http, llm):
+    """vLLM's logprob_token_ids: each generated token lists the asked ids and the chosen
+    one, with the engine's logprobs, whatever top_logprobs says."""
+    want = greedy(llm, P1, n=3, logprobs=5)
+    top_ids = list(want.logprobs[0].top)[:2]
+    asked = [*top_ids, 5]
+    out = post(
+        http,
+        "/v1/completions",
+        prompt=P1,
+        max_tokens=3,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=1,
+        logprob_token_ids=asked,
+        return_tokens_as_token_ids=True,
+        return_token_ids=True,
+    )
+    choice = out["choices"][0]
+    assert choice["token_ids"] == want.token_ids
+    for step, (top, engine) in enumerate(
+        zip(choice["logprobs"]["top_logprobs"], want.logprobs, strict=True)
+    ):
+        listed = {int(k.removeprefix("token_id:")): v for k, v in top.items()}
+        assert set(listed) == {*asked, want.token_ids[step]}
+        for token, value in engine.top.items():  # the ids the engine's top-5 holds too
+            if token in listed:
+                assert listed[token] == pytest.approx(value, abs=1e-5)
+        assert listed[want.token_ids[step]] == pytest.approx(engine.logprob, abs=1e-5)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    answer = post(
+        http,
+        "/v1/chat/completions",
+        **chat,
+        logprobs=True,
+        logprob_token_ids=[5, 100],
+        allowed_token_ids=[42],
+        return_tokens_as_token_ids=True,
+    )
+    content = answer["choices"][0]["logprobs"]["content"][0]
+    assert content["token"] == "token_id:42"
+    assert {e["token"] for e in content["top_logprobs"]} == {f"token_id:{t}" for t in (5, 42, 100)}
+    body = {"model": MODEL, "prompt": P1, "logprobs": 1}
+    for bad, words in (
+        ({**chat, "model": MODEL, "logprob_token_ids": [5]}, "logprobs: true must be set"),
+        ({**body, "logprob_token_ids": [10**6]}, "out-of-vocab"),
+        ({**body, "logprob_token_ids": list(range(129))}, "greater than max allowed: 128"),
+        ({**body, "echo": True, "max_tokens": 0, "logprob_token_ids": [5]}, "no output tokens"),
+    ):
+        path = "/v1/chat/completions" if "messages" in bad else "/v1/completions"
+        error = openai_error(http.post(path, json=bad), 400)
+        assert words in error["message"] and error["param"] == "logprob_token_ids", error
 
 
 def test_token_rules_change_the_output_as_asked(http, llm):

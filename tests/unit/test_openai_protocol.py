@@ -28,7 +28,7 @@ TEXT = {"model": "m", "prompt": "hi"}
 # A value that asks for something, for each refused field.
 ASKING = {
     "use_beam_search": True, "length_penalty": 2.0, "early_stopping": True, "best_of": 3,
-    "watermarking": True, "logprob_token_ids": [5], "cache_salt": "salt", "priority": 1,
+    "watermarking": True, "cache_salt": "salt", "priority": 1,
     "kv_transfer_params": {"a": 1}, "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "repetition_detection": {"a": 1}, "stream_interval": 4,
     "spaces_between_special_tokens": False, "return_weight_versions": True,

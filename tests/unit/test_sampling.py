@@ -61,6 +61,10 @@ NAN = float("nan")
         (dict(repetition_penalty=2.5), "repetition_penalty"),
         (dict(repetition_penalty=NAN), "repetition_penalty"),
         (dict(repetition_penalty=False), "repetition_penalty"),
+        (dict(logprobs=0, logprob_token_ids=()), "logprob_token_ids"),
+        (dict(logprobs=0, logprob_token_ids=(1, -2)), "logprob_token_ids"),
+        (dict(logprobs=0, logprob_token_ids=tuple(range(129))), "logprob_token_ids"),
+        (dict(logprob_token_ids=(3,)), "logprob_token_ids"),
     ],
 )
 def test_sampling_params_reject_nonsense_naming_the_parameter(kwargs, name):
@@ -242,6 +246,24 @@ def test_logprobs_of_the_sampled_token_and_the_top_n():
     assert c.token_id == tokens[2] == logits[2].argmax().item()
     assert c.logprob == pytest.approx(expected[2].max().item(), abs=1e-6)
     assert c.top == {}
+
+
+def test_logprob_token_ids_give_those_ids_and_the_chosen_one_in_place_of_the_top_n():
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(7))
+    seqs = [
+        seq("a", temperature=0.0, logprobs=5, logprob_token_ids=(39, 3, 3)),
+        seq("b", temperature=0.0, logprobs=2),
+    ]
+    tokens, logprobs, _ = Sampler(seed=0)(logits, seqs)
+    expected = torch.log_softmax(logits, dim=-1)
+    a, b = logprobs
+    assert set(a.top) == {3, 39, tokens[0]}
+    for token, value in a.top.items():
+        assert value == pytest.approx(expected[0, token].item(), abs=1e-6)
+    assert list(b.top) == expected[1].argsort(descending=True)[:2].tolist()  # its own top-n
+    sent = SamplingParams(logprobs=0, logprob_token_ids=[39, 3])
+    assert sampling_from_proto(sampling_to_proto(sent)).logprob_token_ids == (39, 3)
+    assert 39 in sent.token_ids_used()  # checked against the vocabulary on the worker
 
 
 def test_logprobs_are_of_the_unscaled_logits():
