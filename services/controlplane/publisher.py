@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ from pdserve.controlplane.registry import (
     new_worker_id,
     redis_errors,
 )
+from pdserve.controlplane.signing import registry_key, signed_json
 from pdserve.settings.redaction import redact_url
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,10 @@ class RegistryPublisher:
         blocks: BlocksFn | None = None,
         ttl_s: float = DEFAULT_TTL_S,
         prefix: str = DEFAULT_PREFIX,
+        key: bytes | None = None,
     ) -> None:
+        """``key``: what the entry and events are signed with (``signing.registry_key`` of
+        the internal token; None: an open cluster, unsigned)."""
         if ttl_s <= 0:
             raise ValueError(f"--registry-ttl must be positive, got {ttl_s}")
         self.info = info
@@ -51,6 +54,7 @@ class RegistryPublisher:
         # Four beats per TTL, but at least 5 a second: routing reads the block sets.
         self.interval_s = min(ttl_s / 4, 0.2)
         self.keys = Keys(prefix)
+        self._key = key
         self._redis = connect(url)
         self._url = redact_url(url)  # for logs only
         self._load = load
@@ -103,9 +107,7 @@ class RegistryPublisher:
             self._resync = True
         if old is None:
             with contextlib.suppress(*redis_errors()):
-                await self._redis.publish(
-                    self.keys.events, json.dumps({"kind": "up", "id": self.info.worker_id})
-                )
+                await self._redis.publish(self.keys.events, self._event("up"))
 
     async def _gather(self) -> tuple[bool, list[bytes], list[bytes]]:
         """The worker's load, and its block events when the engine has handed them over.
@@ -133,7 +135,8 @@ class RegistryPublisher:
         ttl_ms = int(self.ttl_s * 1000)
         blocks_key = self.keys.blocks(self.info.worker_id)
         pipe = self._redis.pipeline(transaction=True)
-        pipe.set(self.keys.worker(self.info.worker_id), self.info.to_json(), px=ttl_ms, get=True)
+        entry = self.info.to_json(self._key)
+        pipe.set(self.keys.worker(self.info.worker_id), entry, px=ttl_ms, get=True)
         if full:
             pipe.delete(blocks_key)
         if stored:
@@ -142,6 +145,9 @@ class RegistryPublisher:
             pipe.srem(blocks_key, *evicted)
         pipe.pexpire(blocks_key, ttl_ms)
         return (await pipe.execute())[0]
+
+    def _event(self, kind: str) -> str:
+        return signed_json({"kind": kind, "id": self.info.worker_id}, self._key)
 
     async def stop(self) -> None:
         """Deregister (delete the entry and block set, announce ``down``) and stop beating."""
@@ -156,7 +162,7 @@ class RegistryPublisher:
         try:
             pipe = self._redis.pipeline(transaction=True)
             pipe.delete(self.keys.worker(worker_id), self.keys.blocks(worker_id))
-            pipe.publish(self.keys.events, json.dumps({"kind": "down", "id": worker_id}))
+            pipe.publish(self.keys.events, self._event("down"))
             await asyncio.wait_for(pipe.execute(), timeout=2.0)
         except redis_errors() as e:
             logger.warning("registry: could not deregister %s (%s); its TTL will", worker_id, e)
@@ -171,11 +177,13 @@ def publisher_for(
     load: LoadFn | None = None,
     blocks: BlocksFn | None = None,
     worker_id: str | None = None,
+    token: str | None = None,
     **info: Any,
 ) -> RegistryPublisher | None:
     """The publisher of a ``role`` process bound to host:port, under its RegistrySettings;
-    None without ``--redis-url``. ``worker_id``: its id (default: a new one); ``info``: the
-    entry's fixed fields (model, capacity, metrics address...)."""
+    None without ``--redis-url``. ``worker_id``: its id (default: a new one); ``token``: the
+    internal token its entry is signed with (``signing``); ``info``: the entry's fixed
+    fields (model, capacity, metrics address...)."""
     url = registry.redis.redis_url
     if not url:
         return None
@@ -186,5 +194,11 @@ def publisher_for(
         **info,
     )
     return RegistryPublisher(
-        url, entry, load, blocks, ttl_s=registry.registry_ttl, prefix=registry.redis.redis_prefix
+        url,
+        entry,
+        load,
+        blocks,
+        ttl_s=registry.registry_ttl,
+        prefix=registry.redis.redis_prefix,
+        key=registry_key(token),
     )

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pdserve.controlplane.signing import signed_json
 from pdserve.settings.process import host_port
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,17 @@ class WorkerInfo:
         """KV blocks held by running requests."""
         return max(self.num_total_blocks - self.num_free_blocks, 0)
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+    def to_json(self, key: bytes | None = None) -> str:
+        """The entry as Redis holds it, signed under ``key`` (``signing``; None: not)."""
+        return signed_json(dataclasses.asdict(self), key)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerInfo:
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WorkerInfo:
+        """The entry's known fields (a newer writer's extra ones, and the signature, aside)."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 

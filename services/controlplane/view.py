@@ -19,6 +19,7 @@ from pdserve.controlplane.registry import (
     connect,
     redis_errors,
 )
+from pdserve.controlplane.signing import Verifier
 from pdserve.settings.redaction import redact_url
 
 logger = logging.getLogger(__name__)
@@ -32,10 +33,12 @@ class _Entry:
 
 @dataclass
 class RegistryView:
-    """A live, local copy of the registry: entries whose TTL has not run out."""
+    """A live, local copy of the registry: entries whose TTL has not run out, and, in a
+    cluster with an internal token, whose signature is the cluster's (``signing``)."""
 
     url: str = field(repr=False)  # may hold a password: see shown_url
     prefix: str = DEFAULT_PREFIX
+    verifier: Verifier = field(default_factory=Verifier)
     refresh_s: float = 0.5
     query_timeout_s: float = 0.25
     recovery_grace_s: float = DEFAULT_TTL_S
@@ -46,6 +49,7 @@ class RegistryView:
     redis_ok: bool = False
     _closed: bool = False
     _recovered_until: float = 0.0
+    _refused: dict[str, str] = field(default_factory=dict)  # key -> why, warned once
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.prefix)
@@ -180,18 +184,31 @@ class RegistryView:
             pipe.pttl(key)
         values = await pipe.execute()
         now = asyncio.get_running_loop().time()
-        entries = {}
+        entries, refused = {}, {}
         for i in range(0, len(values), 2):
             raw, pttl = values[i], values[i + 1]
             if raw is None or pttl == -2:
                 continue
+            key = (
+                keys[i // 2].decode(errors="replace")
+                if isinstance(keys[i // 2], bytes)
+                else keys[i // 2]
+            )
             try:
-                info = WorkerInfo.from_json(raw)
-            except (ValueError, TypeError):
-                logger.warning("registry: ignoring a malformed entry %r", keys[i // 2])
+                data = json.loads(raw)
+                why = self.verifier.why_refused(data)
+                info = WorkerInfo.from_dict(data) if why is None else None
+            except (ValueError, TypeError, AttributeError):
+                why = "it is malformed"
+            if why is not None:
+                refused[key] = why
                 continue
             expires = now + pttl / 1000 if pttl >= 0 else float("inf")
             entries[info.worker_id] = _Entry(info, expires)
+        for key, why in refused.items():
+            if self._refused.get(key) != why:
+                logger.warning("registry: ignoring the entry %s: %s", key, why)
+        self._refused = refused
         return entries
 
     async def _poll_loop(self) -> None:
@@ -222,6 +239,9 @@ class RegistryView:
             event = json.loads(data)
             kind, worker_id = event["kind"], event["id"]
         except (ValueError, TypeError, KeyError):
+            return
+        if kind == "down" and not self.verifier.verified(event):
+            logger.warning("registry: ignoring an unsigned or forged 'down' for %s", worker_id)
             return
         if kind == "down":
             self._gone.append(worker_id)

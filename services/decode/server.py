@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from pdserve.controlplane.registry import new_worker_id
+from pdserve.controlplane.signing import Verifier
 from pdserve.controlplane.view import RegistryView
 from pdserve.core.finish_reason import FinishReason
 from pdserve.core.sampling import SamplingParams
@@ -338,7 +339,9 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
     view = None
     redis = settings.registry.redis
     if redis.redis_url:
-        view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
+        view = RegistryView(
+            redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.for_tokens(trust.token)
+        )
         await view.start()
         resources.push_async_callback(view.close)
     kvstores = KnownKVStores(settings.kvstore, view)

@@ -138,16 +138,20 @@ class Router:
         self._sent = SentBlocks()
 
     def candidates(self, role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerInfo]:
-        """Live workers of the pool that serve the gateway's model; NoWorkerError if none."""
+        """Live workers of the pool that serve the gateway's model; NoWorkerError if none.
+
+        With a fingerprint (the registry's pools) an entry must name the same one: one
+        without is refused, as an entry only a writer to Redis made could be."""
         live = [w for w in self.pools.workers(role) if w.worker_id not in exclude]
         ours = self.fingerprint.hex() if self.fingerprint else ""
-        matching = [w for w in live if not w.fingerprint or not ours or w.fingerprint == ours]
+        matching = [w for w in live if not ours or w.fingerprint == ours]
         if matching:
             return matching
         if live:
             raise NoWorkerError(
                 f"{len(live)} {role} worker(s) are registered, but none serves this gateway's "
-                "model (their model fingerprint differs): start them with the same --model"
+                "model (their model fingerprint differs or is missing): start them with the "
+                "same --model"
             )
         raise NoWorkerError(self.pools.describe(role))
 

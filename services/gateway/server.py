@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.controlplane.signing import Verifier
 from pdserve.controlplane.view import RegistryView
 from pdserve.core.model import ModelConfig, locate_model
 from pdserve.core.tokenizer import ChatTemplateError, Tokenizer
@@ -287,7 +288,7 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     )
     logger.info("model %s; limits %s", path, limits)
     orchestrator = Orchestrator(
-        await _router(settings, config.fingerprint, resources),
+        await _router(settings, config.fingerprint, trust.token, resources),
         settings.disaggregation,
         prefill_timeout_s=settings.prefill_timeout,
         decode_timeout_s=settings.decode_timeout,
@@ -383,16 +384,22 @@ def load_tokenizer(path: Path, chat_template: str | None) -> Tokenizer:
 
 
 async def _router(
-    settings: GatewaySettings, fingerprint: bytes, resources: contextlib.AsyncExitStack
+    settings: GatewaySettings,
+    fingerprint: bytes,
+    token: str | None,
+    resources: contextlib.AsyncExitStack,
 ) -> Router:
-    """The router over the registry's pools (``--redis-url``) or the fixed addresses."""
+    """The router over the registry's pools (``--redis-url``: the entries the internal
+    token signed, when there is one) or the fixed addresses."""
     routing = settings.routing
     policy = RoutingPolicy(routing.routing, routing.route_prefix_weight, routing.route_load_weight)
     redis = settings.redis
     if not redis.redis_url:
         prefill = settings.prefill_addrs if settings.disaggregation else ()
         return Router(StaticPools(prefill, settings.decode_addrs), policy)
-    view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
+    view = RegistryView(
+        redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.for_tokens(token)
+    )
     await view.start()
     resources.push_async_callback(view.close)
     logger.info(

@@ -263,6 +263,7 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         host,
         port,
         load,
+        token=trust.token,
         capacity_bytes=store.capacity_bytes,
         metrics_address=metrics_address,
     )

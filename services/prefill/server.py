@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import grpc
 
 from pdserve.controlplane.registry import new_worker_id
+from pdserve.controlplane.signing import Verifier
 from pdserve.controlplane.view import RegistryView
 from pdserve.core.finish_reason import FinishReason
 from pdserve.engine.async_engine import AsyncEngine
@@ -171,7 +172,9 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
     view = None
     if not settings.kvstore:
         redis = settings.registry.redis
-        view = RegistryView(redis.redis_url, prefix=redis.redis_prefix)
+        view = RegistryView(
+            redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.for_tokens(trust.token)
+        )
         await view.start()
         resources.push_async_callback(view.close)
     placement = KVStorePlacement(settings.kvstore, view, trust)

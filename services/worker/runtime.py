@@ -99,8 +99,10 @@ def engine_publisher(
     engine: AsyncEngine,
     worker_id: str | None = None,
     metrics_address: str = "",
+    token: str | None = None,
 ) -> RegistryPublisher | None:
-    """The worker's registry publisher, or None without ``--redis-url``."""
+    """The worker's registry publisher, or None without ``--redis-url``; its entry is
+    signed with ``token``, the internal token."""
     info = engine.info
 
     async def load() -> dict:
@@ -132,6 +134,7 @@ def engine_publisher(
         load,
         blocks,
         worker_id=worker_id,
+        token=token,
         model=info.model_name,
         metrics_address=metrics_address,
         fingerprint=info.fingerprint.hex(),
@@ -169,7 +172,7 @@ async def serve_engine(
     serving = Serving(
         server,
         port,
-        engine_publisher(settings, role, port, engine, worker_id, metrics_address),
+        engine_publisher(settings, role, port, engine, worker_id, metrics_address, trust.token),
         watch=lambda: engine.watch(stall_timeout_s),
     )
     if metrics_address:

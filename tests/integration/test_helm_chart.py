@@ -5,6 +5,7 @@ accepted by pdserve's own parsers."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 
@@ -266,7 +267,31 @@ def test_secrets_stay_out_of_the_pod_specs(rendered):
     assert "s3cret" not in text
     assert "t-pdserve-redis" not in of_kind(docs, "Deployment")
     default = of_kind(rendered["default"], "Secret")["t-pdserve"]
-    assert set(default["data"]) == {"internal-token", "api-key"}
+    assert set(default["data"]) == {"internal-token", "api-key", "redis-password", "redis-url"}
+
+
+def test_the_built_in_redis_asks_for_the_password_the_pods_get(rendered):
+    docs = rendered["default"]
+    data = {
+        k: base64.b64decode(v).decode()
+        for k, v in of_kind(docs, "Secret")["t-pdserve"]["data"].items()
+    }
+    password = data["redis-password"]
+    assert len(password) >= 32
+    assert data["redis-url"] == f"redis://:{password}@t-pdserve-redis:6379/0"
+    deployments = of_kind(docs, "Deployment")
+    (valkey,) = deployments["t-pdserve-redis"]["spec"]["template"]["spec"]["containers"]
+    args = valkey["args"]
+    assert args[args.index("--requirepass") + 1] == "$(VALKEY_PASSWORD)"
+    assert "--protected-mode" not in args and password not in str(deployments)
+    (env,) = [e for e in valkey["env"] if e["name"] == "VALKEY_PASSWORD"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "t-pdserve", "key": "redis-password"}
+    for name, deployment in deployments.items():
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            for e in c.get("env", []):
+                if e["name"] == "PDSERVE_REDIS_URL":
+                    ref = e["valueFrom"]["secretKeyRef"]
+                    assert ref == {"name": "t-pdserve", "key": "redis-url"}, name
 
 
 def test_gpu_decode_pool_beside_a_cpu_prefill_pool(rendered):

@@ -1,6 +1,7 @@
 """The chart runs: what it renders, started as local processes (tests/helpers/chart_pods.py),
 serves a chat through the gateway Service, and `pdserve status` (as NOTES.txt runs it, inside the
-gateway's pod) lists every pool. Only the values a user would set differ from the defaults:
+gateway's pod) lists every pool, from a registry that asks for a password and holds signed
+entries. Only the values a user would set differ from the defaults:
 the model (the tiny random Llama on a hostPath), its engine settings, and
 `decode.replicas=2`."""
 
@@ -13,7 +14,9 @@ import time
 
 import httpx
 import pytest
+import redis
 
+from pdserve.controlplane.signing import Verifier
 from pdserve.testing.metrics import metric
 from tests.helpers.chart_pods import LocalCluster
 from tests.helpers.helm_chart import render
@@ -126,6 +129,18 @@ def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
         for role in ("prefill", "decode", "kvstore")
     }
     wait_for_pools(cluster, expected)
+    # The registry: Redis asks for the Secret's password, and the workers signed their entries.
+    redis_address = cluster.service_address("t-pdserve-redis", "redis")
+    host, _, port = redis_address.rpartition(":")
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host=host, port=int(port), socket_timeout=5).ping()
+    password = cluster.secrets["t-pdserve"]["redis-password"]
+    registry = redis.Redis(host=host, port=int(port), password=password, socket_timeout=5)
+    entries = [json.loads(registry.get(k)) for k in registry.scan_iter(match="pdserve:worker:*")]
+    token = cluster.secrets["t-pdserve"]["internal-token"]
+    assert len(entries) == 4 and all(
+        Verifier.for_tokens(token).why_refused(e) is None for e in entries
+    )
 
     base = "http://" + cluster.service_address("t-pdserve-gateway", "http")
     api_key = cluster.secrets["t-pdserve"]["api-key"]

@@ -80,13 +80,11 @@ app.kubernetes.io/component: {{ .component }}
     secretKeyRef:
       name: {{ .Values.redis.existingSecret }}
       key: {{ .Values.redis.existingSecretKey }}
-{{- else if .Values.redis.url }}
+{{- else }}
   valueFrom:
     secretKeyRef:
       name: {{ include "pdserve.secretName" . }}
       key: redis-url
-{{- else }}
-  value: {{ printf "redis://%s:6379/0" (include "pdserve.redisService" .) | quote }}
 {{- end }}
 - name: PDSERVE_REDIS_PREFIX
   value: {{ .Values.redis.prefix | quote }}
