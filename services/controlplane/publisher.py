@@ -22,6 +22,7 @@ from pdserve.controlplane.registry import (
     redis_errors,
 )
 from pdserve.controlplane.signing import registry_key, signed_json
+from pdserve.runtime.token_ring import TokenRing
 from pdserve.settings.redaction import redact_url
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,11 @@ class RegistryPublisher:
         blocks: BlocksFn | None = None,
         ttl_s: float = DEFAULT_TTL_S,
         prefix: str = DEFAULT_PREFIX,
-        key: bytes | None = None,
+        key: bytes | Callable[[], bytes | None] | None = None,
     ) -> None:
         """``key``: what the entry and events are signed with (``signing.registry_key`` of
-        the internal token; None: an open cluster, unsigned)."""
+        the internal token, or a function giving it as the token rotates; None: an open
+        cluster, unsigned)."""
         if ttl_s <= 0:
             raise ValueError(f"--registry-ttl must be positive, got {ttl_s}")
         self.info = info
@@ -54,7 +56,7 @@ class RegistryPublisher:
         # Four beats per TTL, but at least 5 a second: routing reads the block sets.
         self.interval_s = min(ttl_s / 4, 0.2)
         self.keys = Keys(prefix)
-        self._key = key
+        self._key = key if callable(key) else lambda: key
         self._redis = connect(url)
         self._url = redact_url(url)  # for logs only
         self._load = load
@@ -135,7 +137,7 @@ class RegistryPublisher:
         ttl_ms = int(self.ttl_s * 1000)
         blocks_key = self.keys.blocks(self.info.worker_id)
         pipe = self._redis.pipeline(transaction=True)
-        entry = self.info.to_json(self._key)
+        entry = self.info.to_json(self._key())
         pipe.set(self.keys.worker(self.info.worker_id), entry, px=ttl_ms, get=True)
         if full:
             pipe.delete(blocks_key)
@@ -147,7 +149,7 @@ class RegistryPublisher:
         return (await pipe.execute())[0]
 
     def _event(self, kind: str) -> str:
-        return signed_json({"kind": kind, "id": self.info.worker_id}, self._key)
+        return signed_json({"kind": kind, "id": self.info.worker_id}, self._key())
 
     async def stop(self) -> None:
         """Deregister (delete the entry and block set, announce ``down``) and stop beating."""
@@ -177,7 +179,7 @@ def publisher_for(
     load: LoadFn | None = None,
     blocks: BlocksFn | None = None,
     worker_id: str | None = None,
-    token: str | None = None,
+    token: TokenRing | None = None,
     **info: Any,
 ) -> RegistryPublisher | None:
     """The publisher of a ``role`` process bound to host:port, under its RegistrySettings;
@@ -200,5 +202,5 @@ def publisher_for(
         blocks,
         ttl_s=registry.registry_ttl,
         prefix=registry.redis.redis_prefix,
-        key=registry_key(token),
+        key=(lambda: registry_key(token.sent())) if token is not None else None,
     )

@@ -17,12 +17,16 @@ the entry stays readable by ``pdserve status`` and by hand.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.runtime.token_ring import TokenRing
 
 SIGNATURE_FIELD = "sig"
 _LABEL = b"pdserve registry signing v1"
@@ -30,6 +34,7 @@ _LABEL = b"pdserve registry signing v1"
 MAX_ENTRY_AGE_S = 60.0
 
 
+@functools.lru_cache(maxsize=8)
 def registry_key(token: str | None) -> bytes | None:
     """The signing key of a cluster whose internal token is ``token`` (None: open)."""
     if not token:
@@ -57,13 +62,30 @@ class Verifier:
     """Checks values read from the registry against the cluster's keys (the current one,
     and during a rotation the previous one too); with no key, accepts every value."""
 
-    def __init__(self, keys: Sequence[bytes] = (), max_age_s: float = MAX_ENTRY_AGE_S) -> None:
-        self.keys = tuple(keys)
+    def __init__(
+        self,
+        keys: Sequence[bytes] = (),
+        max_age_s: float = MAX_ENTRY_AGE_S,
+        ring: TokenRing | None = None,
+    ) -> None:
+        self._keys = tuple(keys)
+        self._ring = ring
         self.max_age_s = max_age_s
 
     @classmethod
     def for_tokens(cls, *tokens: str | None) -> Verifier:
         return cls([k for k in map(registry_key, tokens) if k is not None])
+
+    @classmethod
+    def following(cls, ring: TokenRing | None) -> Verifier:
+        """The keys of the tokens ``ring`` accepts at each check (None: an open cluster)."""
+        return cls(ring=ring)
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        if self._ring is None:
+            return self._keys
+        return tuple(registry_key(t) for t in self._ring.accepted())
 
     @property
     def required(self) -> bool:
@@ -72,12 +94,13 @@ class Verifier:
 
     def verified(self, data: dict[str, Any]) -> bool:
         """Whether ``data`` (a parsed value) carries a signature one of the keys made."""
-        if not self.keys:
+        keys = self.keys
+        if not keys:
             return True
         given = data.get(SIGNATURE_FIELD)
         if not isinstance(given, str):
             return False
-        return any(hmac.compare_digest(given, _signature(k, data)) for k in self.keys)
+        return any(hmac.compare_digest(given, _signature(k, data)) for k in keys)
 
     def why_refused(self, data: dict[str, Any], now: float | None = None) -> str | None:
         """Why a worker entry is not to be trusted, or None when it is: unsigned, a

@@ -340,7 +340,7 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
     redis = settings.registry.redis
     if redis.redis_url:
         view = RegistryView(
-            redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.for_tokens(trust.token)
+            redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.following(trust.tokens)
         )
         await view.start()
         resources.push_async_callback(view.close)

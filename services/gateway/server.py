@@ -37,6 +37,7 @@ from pdserve.gateway.telemetry import RequestTelemetry, request_attributes
 from pdserve.runtime import tracing
 from pdserve.runtime.rpc import start_server
 from pdserve.runtime.service import Serving, run_service
+from pdserve.runtime.token_ring import TokenRing
 from pdserve.runtime.trust import load_trust
 from pdserve.settings.process import host_port
 from pdserve.settings.redaction import redact_url
@@ -288,7 +289,7 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     )
     logger.info("model %s; limits %s", path, limits)
     orchestrator = Orchestrator(
-        await _router(settings, config.fingerprint, trust.token, resources),
+        await _router(settings, config.fingerprint, trust.tokens, resources),
         settings.disaggregation,
         prefill_timeout_s=settings.prefill_timeout,
         decode_timeout_s=settings.decode_timeout,
@@ -386,7 +387,7 @@ def load_tokenizer(path: Path, chat_template: str | None) -> Tokenizer:
 async def _router(
     settings: GatewaySettings,
     fingerprint: bytes,
-    token: str | None,
+    tokens: TokenRing | None,
     resources: contextlib.AsyncExitStack,
 ) -> Router:
     """The router over the registry's pools (``--redis-url``: the entries the internal
@@ -398,7 +399,7 @@ async def _router(
         prefill = settings.prefill_addrs if settings.disaggregation else ()
         return Router(StaticPools(prefill, settings.decode_addrs), policy)
     view = RegistryView(
-        redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.for_tokens(token)
+        redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.following(tokens)
     )
     await view.start()
     resources.push_async_callback(view.close)

@@ -238,7 +238,7 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         [lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         credentials=trust.server_credentials,
-        token=trust.token,
+        token=trust.tokens,
     )
     resources.push_async_callback(server.stop, None)
     if lease is not None:
@@ -263,7 +263,7 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         host,
         port,
         load,
-        token=trust.token,
+        token=trust.tokens,
         capacity_bytes=store.capacity_bytes,
         metrics_address=metrics_address,
     )

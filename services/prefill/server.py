@@ -173,7 +173,7 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
     if not settings.kvstore:
         redis = settings.registry.redis
         view = RegistryView(
-            redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.for_tokens(trust.token)
+            redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.following(trust.tokens)
         )
         await view.start()
         resources.push_async_callback(view.close)

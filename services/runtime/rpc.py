@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.runtime.token_ring import TokenRing
 from pdserve.runtime.trust import TokenCheck, Trust, token_interceptors
 from pdserve.settings import variables
 
@@ -80,7 +81,7 @@ async def start_server(
     max_receive_bytes: int | None = None,
     *,
     credentials: grpc.ServerCredentials | None = None,
-    token: str | None = None,
+    token: TokenRing | str | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Start an aio server on ``address`` ("127.0.0.1:0" picks a port) with the standard
@@ -128,7 +129,7 @@ def aio_channel(address: str, trust: Trust | None = None) -> grpc.aio.Channel:
     dials TLS where the trust says so and sends the internal token on every call."""
     if trust is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    interceptors = token_interceptors(trust.token)
+    interceptors = token_interceptors(trust.tokens)
     if trust.channel_credentials is None:
         return grpc.aio.insecure_channel(
             address, options=CHANNEL_OPTIONS, interceptors=interceptors

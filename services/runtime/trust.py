@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.runtime.token_ring import TokenRing
 from pdserve.runtime.trust_files import TOKEN_ENV, read_trust_files
 from pdserve.settings.process import InternalSecuritySettings
 
@@ -34,11 +35,17 @@ _HOW_TO_SET = f"give the caller the cluster's internal token ({TOKEN_ENV} or --i
 class Trust:
     """What a process needs to serve and to call its cluster's internal services."""
 
-    token: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)  # as read at start
     server_credentials: grpc.ServerCredentials | None = field(default=None, repr=False)
     channel_credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)
     server_name: str | None = None
     mutual_tls: bool = False
+    # The token as it rotates (None: no token); made from ``token`` when not given.
+    tokens: TokenRing | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tokens is None and self.token:
+            object.__setattr__(self, "tokens", TokenRing(self.token))
 
     @property
     def serves_tls(self) -> bool:
@@ -76,8 +83,14 @@ def load_trust(settings: InternalSecuritySettings) -> Trust:
         channel_credentials = grpc.ssl_channel_credentials(
             root_certificates=files.ca, private_key=files.key, certificate_chain=files.cert
         )
+    tokens = None
+    if files.token:
+        tokens = TokenRing(
+            files.token, settings.internal_token_file, settings.internal_token_overlap
+        )
     return Trust(
         token=files.token,
+        tokens=tokens,
         server_credentials=server_credentials,
         channel_credentials=channel_credentials,
         server_name=settings.tls_server_name,
@@ -89,10 +102,11 @@ def load_trust(settings: InternalSecuritySettings) -> Trust:
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses calls without the internal token (UNAUTHENTICATED), health calls excepted."""
+    """Refuses calls without the internal token (UNAUTHENTICATED), health calls excepted;
+    during a rotation, the previous token too is accepted (``TokenRing``)."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: TokenRing | str) -> None:
+        self._tokens = TokenRing(tokens) if isinstance(tokens, str) else tokens
 
     async def intercept_service(
         self,
@@ -103,8 +117,13 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(OPEN_PREFIXES):
             return handler
         sent = [v for k, v in details.invocation_metadata or () if k == TOKEN_HEADER]
-        if len(sent) == 1 and hmac.compare_digest(_as_bytes(sent[0]), self._expected):
-            return handler
+        if len(sent) == 1:
+            given = _as_bytes(sent[0])
+            matches = [
+                hmac.compare_digest(given, f"Bearer {t}".encode()) for t in self._tokens.accepted()
+            ]
+            if any(matches):
+                return handler
         reason = "wrong internal token" if sent else "no internal token"
         logger.warning("refused %s: %s", details.method, reason)
         return _refusal(handler, f"{reason}: this service requires it; {_HOW_TO_SET}")
@@ -137,11 +156,12 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 
 
 class _SendsToken:
-    def __init__(self, token: str) -> None:
-        self._header = (TOKEN_HEADER, f"Bearer {token}")
+    def __init__(self, tokens: TokenRing) -> None:
+        self._tokens = tokens
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
+        header = (TOKEN_HEADER, f"Bearer {self._tokens.sent()}")
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), header)
         return details._replace(metadata=metadata)
 
 
@@ -165,8 +185,10 @@ class _StreamStream(_SendsToken, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(details), request_iterator)
 
 
-def token_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors that send ``token`` on every kind of call (none without one)."""
+def token_interceptors(token: TokenRing | str | None) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that send ``token`` (as it rotates) on every kind of call (none
+    without one)."""
     if not token:
         return []
-    return [cls(token) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    tokens = TokenRing(token) if isinstance(token, str) else token
+    return [cls(tokens) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]

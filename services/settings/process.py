@@ -161,7 +161,15 @@ class InternalSecuritySettings:
         secret=True,
     )
     internal_token_file: str | None = setting(
-        None, "a file whose first line is the internal token (instead of --internal-token)"
+        None,
+        "a file whose first line is the internal token (instead of --internal-token); read "
+        "again when it changes (a rotated Kubernetes Secret), see --internal-token-overlap",
+    )
+    internal_token_overlap: float = setting(
+        300.0,
+        "seconds a rotated --internal-token-file's previous token is still accepted; it is "
+        "still sent for the first half, so every service must see the new file within "
+        "that half of each other",
     )
     tls_cert: str | None = setting(
         None,
@@ -196,6 +204,11 @@ class InternalSecuritySettings:
             self.internal_token is None or len(self.internal_token.strip()) >= MIN_TOKEN_CHARS,
             f"--internal-token must have at least {MIN_TOKEN_CHARS} characters; make one with "
             "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+        )
+        check(
+            self.internal_token_overlap >= 0,
+            f"--internal-token-overlap must be 0 or more seconds, got "
+            f"{self.internal_token_overlap}",
         )
         check(
             bool(self.tls_cert) == bool(self.tls_key),

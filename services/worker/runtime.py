@@ -31,6 +31,7 @@ from pdserve.engine.structured_output import GrammarCompiler, GrammarError
 from pdserve.runtime.metrics import metrics_server_address, start_metrics
 from pdserve.runtime.rpc import start_server
 from pdserve.runtime.service import Serving
+from pdserve.runtime.token_ring import TokenRing
 from pdserve.runtime.trust import Trust
 from pdserve.settings.process import host_port
 from pdserve.settings.services import DecodeSettings, PrefillSettings
@@ -99,7 +100,7 @@ def engine_publisher(
     engine: AsyncEngine,
     worker_id: str | None = None,
     metrics_address: str = "",
-    token: str | None = None,
+    token: TokenRing | None = None,
 ) -> RegistryPublisher | None:
     """The worker's registry publisher, or None without ``--redis-url``; its entry is
     signed with ``token``, the internal token."""
@@ -163,7 +164,7 @@ async def serve_engine(
         [add_servicer],
         [service_name],
         credentials=trust.server_credentials,
-        token=trust.token,
+        token=trust.tokens,
     )
     logger.info("%s: %s", role, trust.describe())
     resources.push_async_callback(server.stop, None)
@@ -172,7 +173,7 @@ async def serve_engine(
     serving = Serving(
         server,
         port,
-        engine_publisher(settings, role, port, engine, worker_id, metrics_address, trust.token),
+        engine_publisher(settings, role, port, engine, worker_id, metrics_address, trust.tokens),
         watch=lambda: engine.watch(stall_timeout_s),
     )
     if metrics_address:
