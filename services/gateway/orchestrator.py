@@ -96,6 +96,8 @@ class Orchestrator:
         self.counters: Counter[str] = Counter()
         self.trust = trust
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._generations: dict[str, int] = {}  # the TLS files' generation each dials with
+        self._retired: list[grpc.aio.Channel] = []  # replaced after a rotation: calls run on
 
     @classmethod
     def with_addresses(
@@ -310,7 +312,8 @@ class Orchestrator:
 
     async def close(self) -> None:
         """Close every channel (cancelling calls still running on them)."""
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = [*self._channels.values(), *self._retired], {}
+        self._retired = []
         await asyncio.gather(*(channel.close() for channel in channels))
 
     async def _prefill(
@@ -351,8 +354,16 @@ class Orchestrator:
                 raise
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = aio_channel(address, self.trust)
+        """The channel to ``address``; a new one once the TLS files rotated (the old one's
+        calls run on, and it closes with the others)."""
+        generation = self.trust.generation if self.trust is not None else 0
+        held = self._channels.get(address)
+        if held is not None and self._generations.get(address) == generation:
+            return held
+        if held is not None:
+            self._retired.append(held)
+        self._channels[address] = aio_channel(address, self.trust)
+        self._generations[address] = generation
         return self._channels[address]
 
 

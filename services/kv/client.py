@@ -90,8 +90,22 @@ class KVStoreClient:
 
     def __init__(self, address: str, trust: Trust | None = None) -> None:
         self.address = address
+        self._trust = trust
+        self._generation = trust.generation if trust is not None else 0
         self._channel = aio_channel(address, trust)
-        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._kv_stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._retired: list = []  # channels replaced after a TLS rotation: calls run on
+
+    @property
+    def _stub(self) -> kvstore_pb2_grpc.KVStoreStub:
+        """The stub of a channel dialling with the TLS files in use (a new one after they
+        rotated)."""
+        if self._trust is not None and self._trust.generation != self._generation:
+            self._generation = self._trust.generation
+            self._retired.append(self._channel)
+            self._channel = aio_channel(self.address, self._trust)
+            self._kv_stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        return self._kv_stub
 
     async def put_blocks(
         self,
@@ -156,7 +170,8 @@ class KVStoreClient:
         return await self._stub.Stat(kvstore_pb2.StatRequest(), timeout=timeout)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in (*self._retired, self._channel):
+            await channel.close()
 
     async def __aenter__(self) -> KVStoreClient:
         return self

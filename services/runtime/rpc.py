@@ -130,13 +130,12 @@ def aio_channel(address: str, trust: Trust | None = None) -> grpc.aio.Channel:
     if trust is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     interceptors = token_interceptors(trust.tokens)
-    if trust.channel_credentials is None:
+    credentials = trust.current_channel_credentials()
+    if credentials is None:
         return grpc.aio.insecure_channel(
             address, options=CHANNEL_OPTIONS, interceptors=interceptors
         )
     options = list(CHANNEL_OPTIONS)
     if trust.server_name:
         options.append(("grpc.ssl_target_name_override", trust.server_name))
-    return grpc.aio.secure_channel(
-        address, trust.channel_credentials, options=options, interceptors=interceptors
-    )
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

@@ -6,8 +6,9 @@ service, which Kubernetes probes call without metadata. Server reflection is beh
 token like the services it describes. Channels made with a ``Trust`` send the token on
 every call, and dial TLS when the process has a certificate or a CA to verify against.
 
-Everything is read once at start (``load_trust``, ``trust_files``): a missing file, or a
-key that is not the certificate's, stops the start with a message naming the flag.
+Everything is read at start (``load_trust``, ``trust_files``): a missing file, or a key
+that is not the certificate's, stops the start with a message naming the flag. The token
+file and the TLS files are then followed as they rotate (``token_ring``, ``cert_watch``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.runtime.cert_watch import CertWatcher
 from pdserve.runtime.token_ring import TokenRing
 from pdserve.runtime.trust_files import TOKEN_ENV, read_trust_files
 from pdserve.settings.process import InternalSecuritySettings
@@ -42,6 +44,8 @@ class Trust:
     mutual_tls: bool = False
     # The token as it rotates (None: no token); made from ``token`` when not given.
     tokens: TokenRing | None = field(default=None, repr=False)
+    # The TLS files as they rotate (None: fixed credentials, or plaintext).
+    certs: CertWatcher | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token:
@@ -54,6 +58,22 @@ class Trust:
     @property
     def dials_tls(self) -> bool:
         return self.channel_credentials is not None
+
+    def current_channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """The credentials a channel made now dials with (the rotated files' once they
+        change)."""
+        if self.certs is not None:
+            return self.certs.channel_credentials()
+        return self.channel_credentials
+
+    @property
+    def generation(self) -> int:
+        """How many times the TLS files rotated: a channel made before the last rotation
+        may be replaced by a new one."""
+        if self.certs is None:
+            return 0
+        self.certs.check()
+        return self.certs.generation
 
     def describe(self, checks_token: bool = True) -> str:
         """One line for the start log (no secret in it); ``checks_token``: whether this
@@ -71,18 +91,11 @@ def load_trust(settings: InternalSecuritySettings) -> Trust:
     """The trust ``settings`` describe, its files read and checked (``trust_files``);
     SettingsError naming the flag when one is missing or unusable."""
     files = read_trust_files(settings)
+    certs = CertWatcher(settings, files) if settings.tls_cert or settings.tls_ca else None
     server_credentials = None
     if files.cert is not None:
-        server_credentials = grpc.ssl_server_credentials(
-            [(files.key, files.cert)],
-            root_certificates=files.client_ca,
-            require_client_auth=files.client_ca is not None,
-        )
-    channel_credentials = None
-    if settings.dials_tls:
-        channel_credentials = grpc.ssl_channel_credentials(
-            root_certificates=files.ca, private_key=files.key, certificate_chain=files.cert
-        )
+        server_credentials = certs.server_credentials()
+    channel_credentials = certs.channel_credentials() if certs is not None else None
     tokens = None
     if files.token:
         tokens = TokenRing(
@@ -91,6 +104,7 @@ def load_trust(settings: InternalSecuritySettings) -> Trust:
     return Trust(
         token=files.token,
         tokens=tokens,
+        certs=certs,
         server_credentials=server_credentials,
         channel_credentials=channel_credentials,
         server_name=settings.tls_server_name,

@@ -1,13 +1,17 @@
-"""Rotating the internal token without a refused call: a whole disaggregated cluster over a
-registry, every service reading the token from one file, which is rewritten while
-requests run (pdserve.runtime.token_ring). Nothing fails; once the overlap is over the new
-token is the only one accepted, and the registry entries are signed with it."""
+"""Rotating the internal token and the TLS certificates without a refused call: a whole
+disaggregated cluster over a registry, over mutual TLS, every service reading the token
+and its certificate from files that are rewritten while requests run
+(pdserve.runtime.token_ring, pdserve.runtime.cert_watch). Nothing fails; afterwards a new
+connection is shown the new certificate, the old token is refused once the overlap is
+over, and the registry entries are signed with the new one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import socket
+import ssl
 import time
 
 import grpc
@@ -22,6 +26,7 @@ from pdserve.runtime.trust import Trust
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.helpers.clusters import rest_address, running
 from tests.helpers.flags import engine_flags
+from tests.helpers.tls_certs import make_ca, make_leaf
 
 OLD = "the-old-internal-token-0123456789abcdef"
 NEW = "the-new-internal-token-0123456789abcdef"
@@ -37,8 +42,23 @@ def _write_atomically(path, text: str) -> None:
     os.replace(tmp, path)
 
 
-async def _stat_code(address: str, token: str, stub, request) -> grpc.StatusCode:
-    async with aio_channel(address, Trust(token=token)) as channel:
+def _peer_certificate(address: str, ca, client) -> bytes:
+    """The DER certificate a new TLS connection to ``address`` is shown."""
+    context = ssl.create_default_context(cafile=str(ca.cert))
+    context.load_cert_chain(str(client.cert), str(client.key))
+    context.set_alpn_protocols(["h2"])
+    host, _, port = address.rpartition(":")
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    with context.wrap_socket(raw, server_hostname=host) as tls:
+        return tls.getpeercert(binary_form=True)
+
+
+def _der(pem) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(pem.cert.read_text())
+
+
+async def _stat_code(address: str, token: str, stub, request, credentials) -> grpc.StatusCode:
+    async with aio_channel(address, Trust(token=token, channel_credentials=credentials)) as channel:
         try:
             await stub(channel).Stat(request, timeout=10)
         except grpc.aio.AioRpcError as error:
@@ -82,15 +102,22 @@ async def _chats_until(base: str, stop_at: float) -> list[int]:
     return [c for codes in results for c in codes]
 
 
-async def test_a_new_token_file_rotates_the_cluster_with_no_failed_request(
+async def test_new_certificates_and_token_rotate_the_cluster_with_no_failed_request(
     tmp_path, tiny_chat_llama_path
 ):
     token_file = tmp_path / "internal-token"
     _write_atomically(token_file, OLD + "\n")
+    ca, ca_cert, ca_key = make_ca(tmp_path)
+    old = make_leaf(tmp_path, "service", ca_cert, ca_key)  # the files the services read
+    old_der = _der(old)
+    (tmp_path / "renewed").mkdir()
+    new = make_leaf(tmp_path / "renewed", "service", ca_cert, ca_key)
     server = start_redis()
     try:
         internal = ["--internal-token-file", str(token_file)]
         internal += ["--internal-token-overlap", str(OVERLAP_S), "--redis-url", server.url]
+        internal += ["--tls-cert", str(old.cert), "--tls-key", str(old.key)]
+        internal += ["--tls-ca", str(ca.cert), "--tls-client-ca", str(ca.cert)]
         with running(tmp_path / "logs") as cluster:
             served = ["--model", str(tiny_chat_llama_path)]
             cluster.start("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB", *internal)
@@ -106,22 +133,30 @@ async def test_a_new_token_file_rotates_the_cluster_with_no_failed_request(
             began = time.monotonic()
             load = asyncio.create_task(_chats_until(base, began + 3 + OVERLAP_S + 3))
             await asyncio.sleep(3)
+            decode = cluster.address("decode")
+            assert _peer_certificate(decode, ca, old) == old_der
+            # As cert-manager renews: a new key and certificate from the same CA.
+            _write_atomically(old.key, new.key.read_text())
+            _write_atomically(old.cert, new.cert.read_text())
             _write_atomically(token_file, NEW + "\n")
             codes = await load
             assert codes and set(codes) == {200}, f"{codes.count(200)} of {len(codes)} served"
             assert len(codes) >= 2 * STREAMS
 
-            decode = cluster.address("decode")
             kvstore = cluster.address("kvstore")
+            for address in (decode, kvstore, cluster.address("prefill")):
+                assert _peer_certificate(address, ca, new) == _der(new) != old_der, address
+            creds = grpc.ssl_channel_credentials(
+                ca.cert.read_bytes(), new.key.read_bytes(), new.cert.read_bytes()
+            )
             stat = decode_pb2.DecodeStatRequest()
             kv_stat = kvstore_pb2.StatRequest()
-            assert await _stat_code(decode, OLD, decode_pb2_grpc.DecodeStub, stat) == (
+            decode_stub, kv_stub = decode_pb2_grpc.DecodeStub, kvstore_pb2_grpc.KVStoreStub
+            assert await _stat_code(decode, OLD, decode_stub, stat, creds) == (
                 grpc.StatusCode.UNAUTHENTICATED
             )
-            assert await _stat_code(decode, NEW, decode_pb2_grpc.DecodeStub, stat) == (
-                grpc.StatusCode.OK
-            )
-            assert await _stat_code(kvstore, OLD, kvstore_pb2_grpc.KVStoreStub, kv_stat) == (
+            assert await _stat_code(decode, NEW, decode_stub, stat, creds) == grpc.StatusCode.OK
+            assert await _stat_code(kvstore, OLD, kv_stub, kv_stat, creds) == (
                 grpc.StatusCode.UNAUTHENTICATED
             )
             # Every entry is signed with the new token's key now, and only with it.
@@ -132,6 +167,7 @@ async def test_a_new_token_file_rotates_the_cluster_with_no_failed_request(
             assert len(entries) == 3
             assert all(Verifier.for_tokens(NEW).why_refused(e) is None for e in entries)
             for name in ("gateway", "prefill", "decode", "kvstore"):
-                assert "internal token rotated" in (tmp_path / "logs" / f"{name}.log").read_text()
+                log = (tmp_path / "logs" / f"{name}.log").read_text()
+                assert "internal token rotated" in log and "TLS files changed" in log, name
     finally:
         server.stop()
