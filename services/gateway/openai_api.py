@@ -53,6 +53,7 @@ from pdserve.gateway.openai_reply import ChoiceInput, CompletionReply, ReplyOpti
 from pdserve.gateway.openai_tools import ToolMode, tool_mode
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.requests import ModelLimits, PreparedRequest
+from pdserve.gateway.router import NoWorkerError
 from pdserve.gateway.sse_response import (
     SSEResponse,
     first_message,
@@ -131,7 +132,26 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: the gateway's process serves (whatever its pools)."""
         return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: a decode worker serving this model is routable; else 503 saying why.
+        (Without a prefill worker, decode workers prefill: slower, not refused.)"""
+        router = served.orchestrator.router
+        try:
+            decode = len(router.candidates("decode"))
+        except NoWorkerError as error:
+            body = APIError(503, str(error), "server_error", code="no_worker").body()
+            return JSONResponse(body, status_code=503)
+        counts = {"decode_workers": decode}
+        if served.orchestrator.disaggregation:
+            try:
+                counts["prefill_workers"] = len(router.candidates("prefill"))
+            except NoWorkerError:
+                counts["prefill_workers"] = 0
+        return JSONResponse({"status": "ready", **counts})
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:

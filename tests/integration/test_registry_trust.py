@@ -97,3 +97,32 @@ async def _serve_past_forgeries(tmp_path, model, url, fake, fake_address):
             assert why in log, why
         assert "forged 'down'" in log
     await client.aclose()
+
+
+async def test_the_gateway_is_ready_only_once_a_decode_worker_is_registered(
+    tmp_path, tiny_chat_llama_path
+):
+    """/health is liveness (the process serves), /ready readiness (a routable decode worker),
+    so a load balancer sends nothing to a gateway with an empty pool."""
+    server = start_redis()
+    try:
+        served = ["--model", str(tiny_chat_llama_path), "--redis-url", server.url]
+        with running(tmp_path) as cluster:
+            gateway = ["--disaggregation", "off", "--served-model-name", "tiny"]
+            cluster.start("gateway", "pdserve.gateway", *served, *gateway)
+            base = f"http://{rest_address(cluster)}"
+            async with httpx.AsyncClient(base_url=base, timeout=10) as h:
+                assert (await h.get("/health")).status_code == 200
+                empty = await h.get("/ready")
+                assert empty.status_code == 503
+                assert "no live decode worker" in empty.json()["error"]["message"]
+                cluster.start("decode", "pdserve.decode", *served, *ENGINE)
+                for _ in range(100):
+                    ready = await h.get("/ready")
+                    if ready.status_code == 200:
+                        break
+                    await asyncio.sleep(0.1)
+                assert ready.status_code == 200, ready.text
+                assert ready.json() == {"status": "ready", "decode_workers": 1}
+    finally:
+        server.stop()
