@@ -113,6 +113,11 @@ def test_the_validation_can_fail(rendered):
         ({"internalToken.value": "short"}, "/internalToken/value"),
         ({"decode.autoscaling.keda.enabled": True}, "query"),
         ({"listenAddress": "127.0.0.1"}, "listenAddress"),
+        ({"decode.priorityClasName": "high"}, "priorityClasName"),
+        ({"decode.image.digest": "latest"}, "/decode/image/digest"),
+        ({"prefill.probes.readyness": {"periodSeconds": 2}}, "readyness"),
+        ({"gateway.probes.liveness.timeoutSeconds": 0}, "/gateway/probes/liveness/timeoutSeconds"),
+        ({"redis.password": "has space"}, "/redis/password"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -176,7 +181,7 @@ def test_pdserve_accepts_every_command_line_the_chart_writes(rendered, set_id, m
     seen = set()
     for deployment in of_kind(rendered[set_id], "Deployment").values():
         for c in containers(deployment):
-            if c["command"][0] != "pdserve":
+            if c.get("command", [""])[0] != "pdserve":
                 continue
             env = resolved_env(c)
             unknown = sorted(n for n in env if n.startswith("PDSERVE_") and n not in known_env())
@@ -208,7 +213,7 @@ def test_probes_ports_and_grace_fit_each_container(rendered, set_id):
                 continue
             (check,) = (probe[k] for k in ("grpc", "httpGet", "tcpSocket") if k in probe)
             assert check["port"] in (*ports, *ports.values()), (c["name"], kind)
-        if c["command"][0] != "pdserve":
+        if c.get("command", [""])[0] != "pdserve":
             continue
         port = flag(c, "port")
         assert port and int(port) in ports.values()
@@ -252,7 +257,7 @@ def test_every_pool_loads_one_model_from_one_volume(rendered, set_id):
     for deployment in of_kind(rendered[set_id], "Deployment").values():
         spec = deployment["spec"]["template"]["spec"]
         for c in spec["containers"]:
-            if c["command"][0] == "pdserve" and flag(c, "model"):
+            if c.get("command", [""])[0] == "pdserve" and flag(c, "model"):
                 models.add(flag(c, "model"))
                 volumes.append(next(v for v in spec["volumes"] if v["name"] == "model"))
     assert len(models) == 1 and len(volumes) >= 2
@@ -295,15 +300,29 @@ def test_the_built_in_redis_asks_for_the_password_the_pods_get(rendered):
 
 
 def test_gpu_decode_pool_beside_a_cpu_prefill_pool(rendered):
+    """The GPU pool with what GPU clusters ask: a priority, the NVIDIA runtime, a larger
+    /dev/shm, a node-local cache, a sidecar, its image by digest, a longer start."""
     deployments = of_kind(rendered["gpu-decode"], "Deployment")
     decode = deployments["t-pdserve-decode"]["spec"]["template"]["spec"]
     prefill = deployments["t-pdserve-prefill"]["spec"]["template"]["spec"]
-    (d,), (p,) = decode["containers"], prefill["containers"]
-    assert d["resources"]["limits"]["nvidia.com/gpu"] == 1 and d["image"].endswith("-cuda")
+    (d, sidecar), (p,) = decode["containers"], prefill["containers"]
+    assert d["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert re.fullmatch(r"pdserve:[^@]+-cuda@sha256:[0-9a-f]{64}", d["image"])  # pinned
+    assert sidecar["name"] == "dcgm-exporter"
     assert "nvidia.com/gpu" not in str(p["resources"]) and not re.search(
         r"-(cuda|slim)$", p["image"]
     )
     assert (flag(d, "device"), flag(p, "device")) == ("cuda", "cpu")
+    assert (decode["priorityClassName"], decode["runtimeClassName"]) == ("inference-high", "nvidia")
+    assert "priorityClassName" not in prefill and "runtimeClassName" not in prefill
+    (shm,) = [v for v in decode["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    mounts = {m["mountPath"]: m["name"] for m in d["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm" and mounts["/var/cache/triton"] == "triton-cache"
+    assert (
+        d["startupProbe"]["failureThreshold"] == 120 and d["livenessProbe"]["timeoutSeconds"] == 10
+    )
+    assert d["readinessProbe"]["timeoutSeconds"] == 3  # the defaults where not overridden
     assert flag(d, "dtype") == flag(p, "dtype") and flag(d, "block-size") == flag(p, "block-size")
 
 
@@ -313,9 +332,9 @@ def test_every_server_listens_on_the_listen_address(rendered, set_id, host, redi
     deployments = of_kind(rendered[set_id], "Deployment").values()
     for deployment in deployments:
         c = deployment["spec"]["template"]["spec"]["containers"][0]
-        if c["command"][0] == "pdserve":
+        if c.get("command", [""])[0] == "pdserve":
             assert flag(c, "host") == host, c["name"]
-        elif c["command"] == ["valkey-server"]:
+        elif c.get("command") == ["valkey-server"]:
             args = c["args"]
             at = args.index("--bind") + 1
             assert args[at : at + len(redis_bind)] == redis_bind
@@ -329,3 +348,12 @@ def test_notes_tell_how_to_reach_the_gateway_and_run_status():
     assert "port-forward svc/t-pdserve-gateway 8000:80" in notes
     assert "exec deploy/t-pdserve-gateway -- pdserve status" in notes
     assert "get secret t-pdserve -o jsonpath='{.data.api-key}'" in notes
+
+
+def test_the_gateway_is_ready_when_it_can_route_and_alive_when_it_serves(rendered):
+    deployments = of_kind(rendered["default"], "Deployment")
+    (c,) = deployments["t-pdserve-gateway"]["spec"]["template"]["spec"]["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert (
+        c["livenessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/health"
+    )

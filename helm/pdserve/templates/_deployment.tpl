@@ -51,6 +51,12 @@ spec:
       {{- end }}
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- with $pool.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      {{- with $pool.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
       # Above --drain-timeout plus the preStop pause: SIGTERM drains, it is not cut short.
       terminationGracePeriodSeconds: {{ $grace }}
       {{- with $pool.nodeSelector }}
@@ -132,21 +138,19 @@ spec:
           {{- else }}
           {{- $check = dict "grpc" (dict "port" (int .probePortNumber)) }}
           {{- end }}
+          {{- /* Readiness may ask more than liveness (the gateway: a routable decode worker). */}}
+          {{- $ready := $check }}
+          {{- with .readyPath }}
+          {{- $ready = dict "httpGet" (dict "path" . "port" $.probePort) }}
+          {{- end }}
+          {{- $probes := $pool.probes | default dict }}
+          {{- $startup := dict "periodSeconds" 5 "timeoutSeconds" 3 "failureThreshold" (max 1 (div (add (int $pool.startupProbeSeconds) 4) 5)) }}
           startupProbe:
-            {{- toYaml $check | nindent 12 }}
-            periodSeconds: 5
-            timeoutSeconds: 3
-            failureThreshold: {{ max 1 (div (add (int $pool.startupProbeSeconds) 4) 5) }}
+            {{- toYaml (mergeOverwrite (deepCopy $check) $startup ($probes.startup | default dict)) | nindent 12 }}
           readinessProbe:
-            {{- toYaml $check | nindent 12 }}
-            periodSeconds: 5
-            timeoutSeconds: 3
-            failureThreshold: 2
+            {{- toYaml (mergeOverwrite (deepCopy $ready) (dict "periodSeconds" 5 "timeoutSeconds" 3 "failureThreshold" 2) ($probes.readiness | default dict)) | nindent 12 }}
           livenessProbe:
-            {{- toYaml $check | nindent 12 }}
-            periodSeconds: 10
-            timeoutSeconds: 5
-            failureThreshold: 3
+            {{- toYaml (mergeOverwrite (deepCopy $check) (dict "periodSeconds" 10 "timeoutSeconds" 5 "failureThreshold" 3) ($probes.liveness | default dict)) | nindent 12 }}
           lifecycle:
             preStop:
               sleep: {seconds: {{ $root.Values.preStopSleepSeconds }}}
@@ -163,6 +167,15 @@ spec:
             {{- if $root.Values.tls.enabled }}
             - {name: tls, mountPath: /etc/pdserve/tls, readOnly: true}
             {{- end }}
+            {{- if $pool.shmSize }}
+            - {name: dshm, mountPath: /dev/shm}
+            {{- end }}
+            {{- with $pool.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+        {{- with $pool.extraContainers }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       volumes:
         {{- if .model }}
         - name: model
@@ -175,6 +188,13 @@ spec:
         {{- if $root.Values.tls.enabled }}
         - name: tls
           secret: {secretName: {{ $root.Values.tls.secretName }}}
+        {{- end }}
+        {{- with $pool.shmSize }}
+        - name: dshm
+          emptyDir: {medium: Memory, sizeLimit: {{ . }}}
+        {{- end }}
+        {{- with $pool.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end -}}
 

@@ -44,11 +44,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/* (dict "root" $ "pool" .Values.decode): repository:tag of a pool's image. */}}
+{{- /* repository:tag[-variant][@digest]. A digest names one image: a pool's own
+image.digest, else the top-level one for a pool of the top-level variant. */ -}}
 {{- define "pdserve.image" -}}
-{{- $image := mergeOverwrite (deepCopy .root.Values.image) (.pool.image | default dict) -}}
+{{- $own := .pool.image | default dict -}}
+{{- $image := mergeOverwrite (deepCopy .root.Values.image) $own -}}
 {{- $tag := $image.tag | default .root.Chart.AppVersion | toString -}}
 {{- if $image.variant -}}{{- $tag = printf "%s-%s" $tag $image.variant -}}{{- end -}}
-{{- printf "%s:%s" $image.repository $tag -}}
+{{- $digest := $own.digest | default (ternary .root.Values.image.digest "" (eq ($image.variant | default "") (.root.Values.image.variant | default ""))) -}}
+{{- printf "%s:%s" $image.repository $tag -}}{{- with $digest }}@{{ . }}{{- end -}}
 {{- end -}}
 
 {{- define "pdserve.pullPolicy" -}}
@@ -58,6 +62,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* The CPU engine image: prepare-model needs torch and transformers. */}}
 {{- define "pdserve.engineImage" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) -}}
+{{- with .Values.image.digest }}@{{ . }}{{- end -}}
 {{- end -}}
 
 {{- define "pdserve.secretName" -}}
