@@ -5,7 +5,8 @@ The only changes are those a node and its cluster network would make: every pod'
 ``0.0.0.0`` become 127.0.0.1, each pod's container ports become free local ports, and a
 Service's DNS name and port become the address of the pod it selects. Env comes from the
 manifests as the kubelet resolves it (values, the downward API, Secrets), ``$(VAR)`` is
-expanded in args as Kubernetes does, and commands are looked up on a PATH that holds only
+expanded in args as Kubernetes does, a Secret volume is written to a directory of the pod's
+own (and its mount path, in env and args, becomes that directory), and commands are looked up on a PATH that holds only
 ``pdserve`` (this virtualenv's) and ``valkey-server`` (the Redis-compatible server found
 here). A pod is ready when its own readinessProbe passes, tried the way the kubelet would.
 """
@@ -92,6 +93,7 @@ class LocalCluster:
             for c in pod.spec["containers"]:
                 for p in c.get("ports", []):
                     pod.ports[p["containerPort"]] = free_port()
+        self.log_dir = log_dir
         self.bin_dir = log_dir / "bin"
         self.bin_dir.mkdir(parents=True, exist_ok=True)
         (self.bin_dir / "pdserve").symlink_to(Path(sys.executable).parent / "pdserve")
@@ -158,8 +160,35 @@ class LocalCluster:
                 value = expand(var["value"], env)
             else:
                 value = self._value_from(pod, container, var["valueFrom"])
-            env[var["name"]] = self.rewrite(pod, value)
+            env[var["name"]] = self._mounted(pod, container, self.rewrite(pod, value))
         return env
+
+    # -- volumes ----------------------------------------------------------------------------
+
+    def secret_volume_dir(self, pod: Pod, volume: str) -> Path:
+        """Where the pod's Secret volume ``volume`` is written."""
+        return self.log_dir / "volumes" / pod.name / volume
+
+    def _write_secret_volumes(self, pod: Pod) -> None:
+        for volume in pod.spec.get("volumes", []):
+            if "secret" not in volume:
+                continue
+            source = volume["secret"]
+            data = self.secrets[source["secretName"]]
+            items = source.get("items") or [{"key": k, "path": k} for k in data]
+            folder = self.secret_volume_dir(pod, volume["name"])
+            folder.mkdir(parents=True, exist_ok=True)
+            for item in items:
+                (folder / item["path"]).write_text(data[item["key"]])
+
+    def _mounted(self, pod: Pod, container: dict, text: str) -> str:
+        """``text`` with the mount path of a Secret volume made that volume's directory."""
+        secret_volumes = {v["name"] for v in pod.spec.get("volumes", []) if "secret" in v}
+        for mount in container.get("volumeMounts", []):
+            if mount["name"] in secret_volumes and text.startswith(mount["mountPath"]):
+                local = str(self.secret_volume_dir(pod, mount["name"]))
+                return local + text[len(mount["mountPath"]) :]
+        return text
 
     def _value_from(self, pod: Pod, container: dict, source: dict) -> str:
         if "fieldRef" in source:
@@ -183,7 +212,7 @@ class LocalCluster:
 
     def argv_of(self, pod: Pod, container: dict, env: dict[str, str]) -> list[str]:
         words = [*container.get("command", []), *container.get("args", [])]
-        return [self.rewrite(pod, expand(w, env)) for w in words]
+        return [self._mounted(pod, container, self.rewrite(pod, expand(w, env))) for w in words]
 
     # -- processes --------------------------------------------------------------------------
 
@@ -193,6 +222,7 @@ class LocalCluster:
         for pod in self.pods:
             if pod.spec.get("initContainers"):
                 raise AssertionError(f"{pod.name}: init containers are not emulated")
+            self._write_secret_volumes(pod)
             for container in pod.spec["containers"]:
                 env = self.env_of(pod, container)
                 child = self.launcher.start(

@@ -167,6 +167,9 @@ spec:
             {{- if $root.Values.tls.enabled }}
             - {name: tls, mountPath: /etc/pdserve/tls, readOnly: true}
             {{- end }}
+            {{- if $root.Values.internalToken.enabled }}
+            - {name: internal-token, mountPath: /etc/pdserve/internal-token, readOnly: true}
+            {{- end }}
             {{- if $pool.shmSize }}
             - {name: dshm, mountPath: /dev/shm}
             {{- end }}
@@ -188,6 +191,9 @@ spec:
         {{- if $root.Values.tls.enabled }}
         - name: tls
           secret: {secretName: {{ $root.Values.tls.secretName }}}
+        {{- end }}
+        {{- if $root.Values.internalToken.enabled }}
+        {{- include "pdserve.tokenVolume" $root | nindent 8 }}
         {{- end }}
         {{- with $pool.shmSize }}
         - name: dshm

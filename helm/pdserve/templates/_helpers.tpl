@@ -95,14 +95,24 @@ image.digest, else the top-level one for a pool of the top-level variant. */ -}}
   value: {{ .Values.redis.prefix | quote }}
 {{- end -}}
 
+{{/* The internal token as a file of its Secret, mounted: read again when the Secret
+changes, so it rotates without a restart (docs/security.md). */}}
 {{- define "pdserve.tokenEnv" -}}
 {{- if .Values.internalToken.enabled -}}
-- name: PDSERVE_INTERNAL_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ .Values.internalToken.existingSecret | default (include "pdserve.secretName" .) }}
-      key: {{ if .Values.internalToken.existingSecret }}{{ .Values.internalToken.existingSecretKey }}{{ else }}internal-token{{ end }}
+- name: PDSERVE_INTERNAL_TOKEN_FILE
+  value: /etc/pdserve/internal-token/token
+- name: PDSERVE_INTERNAL_TOKEN_OVERLAP
+  value: {{ .Values.internalToken.rotationOverlapSeconds | quote }}
 {{- end }}
+{{- end -}}
+
+{{- define "pdserve.tokenVolume" -}}
+- name: internal-token
+  secret:
+    secretName: {{ .Values.internalToken.existingSecret | default (include "pdserve.secretName" .) }}
+    items:
+      - key: {{ if .Values.internalToken.existingSecret }}{{ .Values.internalToken.existingSecretKey }}{{ else }}internal-token{{ end }}
+        path: token
 {{- end -}}
 
 {{- define "pdserve.apiKeyEnv" -}}
