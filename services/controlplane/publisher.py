@@ -21,8 +21,7 @@ from pdserve.controlplane.registry import (
     new_worker_id,
     redis_errors,
 )
-from pdserve.controlplane.signing import registry_key, signed_json
-from pdserve.runtime.token_ring import TokenRing
+from pdserve.controlplane.signing import Tokens, registry_key, signed_json
 from pdserve.settings.redaction import redact_url
 
 logger = logging.getLogger(__name__)
@@ -179,7 +178,7 @@ def publisher_for(
     load: LoadFn | None = None,
     blocks: BlocksFn | None = None,
     worker_id: str | None = None,
-    token: TokenRing | None = None,
+    token: Tokens | None = None,
     **info: Any,
 ) -> RegistryPublisher | None:
     """The publisher of a ``role`` process bound to host:port, under its RegistrySettings;

@@ -23,10 +23,16 @@ import hmac
 import json
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from pdserve.runtime.token_ring import TokenRing
+
+class Tokens(Protocol):
+    """The internal token as it rotates (``pdserve.runtime.token_ring.TokenRing``)."""
+
+    def sent(self) -> str: ...
+
+    def accepted(self) -> tuple[str, ...]: ...
+
 
 SIGNATURE_FIELD = "sig"
 _LABEL = b"pdserve registry signing v1"
@@ -66,7 +72,7 @@ class Verifier:
         self,
         keys: Sequence[bytes] = (),
         max_age_s: float = MAX_ENTRY_AGE_S,
-        ring: TokenRing | None = None,
+        ring: Tokens | None = None,
     ) -> None:
         self._keys = tuple(keys)
         self._ring = ring
@@ -77,7 +83,7 @@ class Verifier:
         return cls([k for k in map(registry_key, tokens) if k is not None])
 
     @classmethod
-    def following(cls, ring: TokenRing | None) -> Verifier:
+    def following(cls, ring: Tokens | None) -> Verifier:
         """The keys of the tokens ``ring`` accepts at each check (None: an open cluster)."""
         return cls(ring=ring)
 
