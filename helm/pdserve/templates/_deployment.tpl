@@ -71,9 +71,18 @@ spec:
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with $pool.topologySpreadConstraints }}
+      {{- if $pool.topologySpreadConstraints }}
       topologySpreadConstraints:
-        {{- toYaml . | nindent 8 }}
+        {{- toYaml $pool.topologySpreadConstraints | nindent 8 }}
+      {{- else if $root.Values.spreadPodsByNode }}
+      # The pool's pods on different nodes where the scheduler can: a node lost takes one.
+      topologySpreadConstraints:
+        - maxSkew: 1
+          topologyKey: kubernetes.io/hostname
+          whenUnsatisfiable: ScheduleAnyway
+          labelSelector:
+            matchLabels:
+              {{- include "pdserve.selectorLabels" (dict "root" $root "component" .component) | nindent 14 }}
       {{- end }}
       {{- if $prepare }}
       initContainers:
