@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -33,7 +33,12 @@ from pdserve.gateway.middleware import (
     RequestIdMiddleware,
     RootPathMiddleware,
 )
-from pdserve.gateway.openai_errors import APIError, validation_message
+from pdserve.gateway.openai_errors import (
+    GENERATION_ERRORS,
+    APIError,
+    error_responses,
+    validation_message,
+)
 from pdserve.gateway.openai_params import (
     COMPLETION_MAX_TOKENS,
     Prompt,
@@ -130,12 +135,16 @@ def create_app(served: Served) -> FastAPI:
         body = APIError(500, f"internal error in the gateway: {error!r}", "server_error").body()
         return JSONResponse(body, status_code=500)
 
-    @app.get("/health")
+    # Routes answer what their OpenAPI entries say, errors included (vLLM's schemathesis test
+    # of its own server checks every status and content type against the document).
+    empty = {200: {"description": "OK (no body)", "content": None}}
+
+    @app.get("/health", response_class=Response, responses=empty)
     async def health() -> Response:
         """Liveness: the gateway's process serves (whatever its pools)."""
         return Response(status_code=200)
 
-    @app.get("/ready")
+    @app.get("/ready", responses=error_responses(503))
     async def ready() -> JSONResponse:
         """Readiness: a decode worker serving this model is routable; else 503 saying why.
         (Without a prefill worker, decode workers prefill: slower, not refused.)"""
@@ -153,17 +162,17 @@ def create_app(served: Served) -> FastAPI:
                 counts["prefill_workers"] = 0
         return JSONResponse({"status": "ready", **counts})
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response, responses=empty)
     async def ping() -> Response:
         """SageMaker's health check (as vLLM serves it): /health."""
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         """Prometheus text: requests, admission state, routing counters, the process."""
         return Response(exposition(registry.registry), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
         card = {
             "id": served.model_name,
@@ -212,19 +221,19 @@ def create_app(served: Served) -> FastAPI:
             param=unknown[0],
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         check_fields(body)
         return await _complete(served, registry, body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         check_fields(body)
         return await _complete(served, registry, body, request)
 
-    @app.post("/invocations")
+    @app.post("/invocations", responses=GENERATION_ERRORS)
     async def invocations(request: Request) -> Response:
         """SageMaker's one endpoint (as vLLM serves it): a body with ``messages`` is a chat
         completion, one with ``prompt`` a completion."""
@@ -238,7 +247,7 @@ def create_app(served: Served) -> FastAPI:
         check_fields(parsed)
         return await _complete(served, registry, parsed, request)
 
-    @app.post("/v1/chat/completions/batch")
+    @app.post("/v1/chat/completions/batch", responses=GENERATION_ERRORS)
     async def batch_chat_completions(request: Request) -> Response:
         """vLLM's batched chat (gateway/batch_chat.py): one choice per conversation."""
         bodies = conversations(await json_body(request))

@@ -6,6 +6,7 @@ from typing import Any
 
 import grpc
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 
 from pdserve.gateway.orchestrator import StreamStalled
 from pdserve.gateway.requests import InvalidRequest
@@ -51,6 +52,49 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, as the OpenAPI document declares it."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` of a route that may answer these statuses with an error (the
+    OpenAPI document then says so: clients generated from it, and schema checkers such as
+    schemathesis, expect every status a route sends to be documented)."""
+    return {
+        status: {"model": ErrorResponse, "description": _STATUS_TEXT[status]} for status in statuses
+    }
+
+
+_STATUS_TEXT = {
+    400: "a request pdserve cannot serve as sent; the message says what to change",
+    401: "no API key, or a wrong one (--api-key)",
+    404: "another model than the one served, or no such route",
+    413: "a body over --max-body-bytes",
+    429: "the gateway's queue is full (Retry-After)",
+    500: "a bug in the gateway",
+    503: "no worker could take the request (Retry-After)",
+    504: "a worker's deadline ran out",
+}
+# What a generation route answers: JSON, or with "stream": true server-sent events; and
+# its errors.
+GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the answer (JSON), or with stream: true its chunks (text/event-stream)",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **error_responses(400, 401, 404, 413, 429, 500, 503, 504),
+}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

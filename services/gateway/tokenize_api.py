@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from pdserve.core.tokenizer import ChatTemplateError
-from pdserve.gateway.openai_errors import APIError, bad_request
+from pdserve.gateway.openai_errors import APIError, bad_request, error_responses
 from pdserve.gateway.openai_params import template_message
 from pdserve.gateway.openai_protocol import DetokenizeRequest, TokenizeRequest
 
@@ -20,7 +20,9 @@ def add_tokenize_routes(app: FastAPI, served: Any, check_model, check_fields) ->
     """Add the endpoints to ``app``; ``check_model`` and ``check_fields`` are the handlers'
     own checks of the model name and of unknown fields."""
 
-    @app.post("/tokenize")
+    errors = error_responses(400, 404, 413, 500)
+
+    @app.post("/tokenize", responses=errors)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         check_model(body.model)
         check_fields(body)
@@ -35,7 +37,7 @@ def add_tokenize_routes(app: FastAPI, served: Any, check_model, check_fields) ->
             }
         )
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=errors)
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         check_model(body.model)
         check_fields(body)

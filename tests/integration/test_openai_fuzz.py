@@ -1,5 +1,7 @@
 """Fuzz the OpenAI REST API from its own OpenAPI schema (schemathesis) against a real
-gateway over a decode worker: no 5xx, every answer in time, every error in OpenAI's shape.
+gateway over a decode worker: no 5xx, every answer in time, every error in OpenAI's shape,
+and every status and content type one the schema documents (as vLLM's own schemathesis
+test of its server checks).
 
 Run it alone with `make test ARGS="-k fuzz"`.
 """
@@ -12,6 +14,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 
 from tests.helpers.clusters import rest_address, running, start_colocated
 
@@ -19,6 +22,7 @@ MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 48  # bounds every generation, whatever max_tokens the fuzzer picks
 EXAMPLES_PER_OPERATION = 40
 RESPONSE_TIMEOUT_S = 20.0
+DOCUMENTED = [status_code_conformance, content_type_conformance]
 GATEWAY = ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL_NAME]
 
 
@@ -69,8 +73,13 @@ def test_fuzz_post_routes_from_the_openapi_schema(fuzz_gateway):
             assert response.status_code < 500, (case.body, response.text)
             if response.status_code >= 300:
                 _assert_openai_error(response)
+            case.validate_response(response, checks=DOCUMENTED)
 
         check()
+
+    for operation in schema.include(method="GET").get_all_operations():
+        case = operation.ok().Case()
+        case.validate_response(case.call(base_url=base, timeout=10), checks=DOCUMENTED)
 
     with httpx.Client(base_url=base, timeout=10) as http:
         assert http.get("/health").status_code == 200
