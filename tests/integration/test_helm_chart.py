@@ -242,13 +242,34 @@ def test_network_policies_expose_only_the_gateway(rendered, set_id):
         labels = pod_labels(deployment)
         mine = [p for p in policies if labels_match(p["spec"]["podSelector"], labels)]
         assert mine, f"{component(deployment)} has no NetworkPolicy"
-        peers = [
-            peer for p in mine for rule in p["spec"]["ingress"] for peer in rule.get("from", [])
-        ]
+        rules = [rule for p in mine for rule in p["spec"]["ingress"]]
         if component(deployment) == "gateway":
             continue
+        # The release's pods on any port; Prometheus' namespace on the metrics port only.
+        peers = [peer for rule in rules if "ports" not in rule for peer in rule["from"]]
         assert peers and all(set(peer) == {"podSelector"} for peer in peers), peers
         assert all(peer["podSelector"]["matchLabels"] == release for peer in peers)
+        for rule in rules:
+            if "ports" in rule:
+                assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}], rule
+                assert rule["from"] == [
+                    {
+                        "namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                        }
+                    }
+                ]
+
+
+@pytest.mark.parametrize("set_id", SET_IDS)
+def test_no_two_containers_of_a_pod_take_one_port(rendered, set_id):
+    for name, deployment in of_kind(rendered[set_id], "Deployment").items():
+        ports = [
+            p["containerPort"]
+            for c in deployment["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+        ]
+        assert len(ports) == len(set(ports)), (name, ports)
 
 
 @pytest.mark.parametrize("set_id", SET_IDS)
