@@ -268,6 +268,8 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         metrics_address=metrics_address,
     )
     serving = Serving(server, port, publisher)
+    if metrics_server is not None:
+        metrics_server.health = lambda: not serving.draining
     if metrics_address:
         serving.ready_lines.append(("kvstore-metrics", metrics_address))
     return serving

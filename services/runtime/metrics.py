@@ -15,13 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from pdserve.core.finish_reason import FinishReason
@@ -84,18 +87,40 @@ def exposition(registry: CollectorRegistry) -> bytes:
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+        pass
+
+
 class MetricsServer:
-    """``registry`` served over HTTP (GET /metrics) from a thread of its own."""
+    """``registry`` served over HTTP (GET /metrics) from a thread of its own, and
+    ``GET /health``: 200 while the service serves, 503 once it drains or fails (``health``,
+    set by the service), as plain HTTP a kubelet can probe when the gRPC port speaks TLS."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.health: Callable[[], bool] = lambda: True
+        metrics_app = prometheus_client.make_wsgi_app(registry)
+
+        def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") == "/health":
+                ok = self.health()
+                status = "200 OK" if ok else "503 Service Unavailable"
+                start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+                return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
+            return metrics_app(environ, start_response)
+
         try:
-            self._server, self._thread = prometheus_client.start_http_server(
-                port, addr=host, registry=registry
+            family = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )
+            server_class = type("_Server", (ThreadingWSGIServer,), {"address_family": family[0][0]})
+            self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
         except OSError as error:
             raise OSError(
                 f"--metrics-port {port}: cannot listen on {host}:{port}: {error}"
             ) from None
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
         self.port = self._server.server_port
 
     def close(self) -> None:

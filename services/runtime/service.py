@@ -59,6 +59,7 @@ class Serving:
     drains: list[Callable[[float], Awaitable[None]]] = field(default_factory=list)
     # Returns (a reason) once the service can no longer serve: it then leaves and exits 3.
     watch: Callable[[], Awaitable[str]] | None = None
+    draining: bool = False  # set as the drain begins (the metrics port's /health then 503)
 
 
 StartFn = Callable[[Any, contextlib.AsyncExitStack], Awaitable[Serving]]
@@ -146,6 +147,7 @@ async def _until_stopped(
 
 async def _drain(serving: Serving, grace_s: float) -> None:
     logger.info("draining: running calls get %.0f s", grace_s)
+    serving.draining = True
     if serving.publisher is not None:
         await serving.publisher.stop()
     await serving.server.health_servicer.enter_graceful_shutdown()

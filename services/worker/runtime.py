@@ -176,6 +176,8 @@ async def serve_engine(
         engine_publisher(settings, role, port, engine, worker_id, metrics_address, trust.tokens),
         watch=lambda: engine.watch(stall_timeout_s),
     )
+    if metrics_server is not None:
+        metrics_server.health = lambda: not serving.draining
     if metrics_address:
         serving.ready_lines.append((f"{role}-metrics", metrics_address))
     return serving

@@ -378,3 +378,11 @@ def test_the_gateway_is_ready_when_it_can_route_and_alive_when_it_serves(rendere
     assert (
         c["livenessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/health"
     )
+
+
+def test_under_tls_workers_are_probed_over_http_on_their_metrics_port(rendered):
+    for name, deployment in of_kind(rendered["colocated-tls"], "Deployment").items():
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        if component(deployment) in ("decode", "prefill", "kvstore"):
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[kind]["httpGet"] == {"path": "/health", "port": "metrics"}, name

@@ -1,6 +1,7 @@
 """A registry nobody can poison: a cluster with an internal token signs its registry entries
 and events (pdserve.controlplane.signing), and a gateway routes only to entries the
-cluster signed, naming its model; Redis itself asks for a password.
+cluster signed, naming its model; Redis itself asks for a password. On the way, the
+gateway is ready (/ready) only once a decode worker has registered.
 
 Real processes over a real, password-protected Redis: a decode worker and a gateway that
 share the token, and forged entries that point at a fake decode worker in this process.
@@ -71,9 +72,24 @@ async def _serve_past_forgeries(tmp_path, model, url, fake, fake_address):
     keys = Keys()
     client = aioredis.Redis.from_url(url, socket_timeout=5)
     with running(tmp_path) as cluster:
-        cluster.start("decode", "pdserve.decode", *served, *ENGINE, env=env)
         gateway = ["--disaggregation", "off", "--routing", "round-robin", "--served-model-name"]
         cluster.start("gateway", "pdserve.gateway", *served, *gateway, "tiny", env=env)
+        # /health is liveness, /ready readiness: no decode worker yet, so not ready (a load
+        # balancer sends it nothing) though alive.
+        base = f"http://{rest_address(cluster)}"
+        async with httpx.AsyncClient(base_url=base, timeout=10) as h:
+            assert (await h.get("/health")).status_code == 200
+            empty = await h.get("/ready")
+            assert empty.status_code == 503
+            assert "no live decode worker" in empty.json()["error"]["message"]
+            cluster.start("decode", "pdserve.decode", *served, *ENGINE, env=env)
+            for _ in range(100):
+                ready = await h.get("/ready")
+                if ready.status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert ready.status_code == 200, ready.text
+            assert ready.json() == {"status": "ready", "decode_workers": 1}
         [name] = [k async for k in client.scan_iter(match=keys.worker_pattern)]
         real = json.loads(await client.get(name))
         # The worker's own entry is signed with the token's key, and verifies.
@@ -86,7 +102,7 @@ async def _serve_past_forgeries(tmp_path, model, url, fake, fake_address):
         await client.publish(keys.events, forged_down)
         await asyncio.sleep(1.5)  # three polls of the registry
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        async with httpx.AsyncClient(base_url=f"http://{rest_address(cluster)}", timeout=60) as h:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as h:
             answers = await asyncio.gather(
                 *(h.post("/v1/chat/completions", json=body) for _ in range(8))
             )
@@ -97,32 +113,3 @@ async def _serve_past_forgeries(tmp_path, model, url, fake, fake_address):
             assert why in log, why
         assert "forged 'down'" in log
     await client.aclose()
-
-
-async def test_the_gateway_is_ready_only_once_a_decode_worker_is_registered(
-    tmp_path, tiny_chat_llama_path
-):
-    """/health is liveness (the process serves), /ready readiness (a routable decode worker),
-    so a load balancer sends nothing to a gateway with an empty pool."""
-    server = start_redis()
-    try:
-        served = ["--model", str(tiny_chat_llama_path), "--redis-url", server.url]
-        with running(tmp_path) as cluster:
-            gateway = ["--disaggregation", "off", "--served-model-name", "tiny"]
-            cluster.start("gateway", "pdserve.gateway", *served, *gateway)
-            base = f"http://{rest_address(cluster)}"
-            async with httpx.AsyncClient(base_url=base, timeout=10) as h:
-                assert (await h.get("/health")).status_code == 200
-                empty = await h.get("/ready")
-                assert empty.status_code == 503
-                assert "no live decode worker" in empty.json()["error"]["message"]
-                cluster.start("decode", "pdserve.decode", *served, *ENGINE)
-                for _ in range(100):
-                    ready = await h.get("/ready")
-                    if ready.status_code == 200:
-                        break
-                    await asyncio.sleep(0.1)
-                assert ready.status_code == 200, ready.text
-                assert ready.json() == {"status": "ready", "decode_workers": 1}
-    finally:
-        server.stop()

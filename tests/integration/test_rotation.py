@@ -30,7 +30,7 @@ from tests.helpers.tls_certs import make_ca, make_leaf
 
 OLD = "the-old-internal-token-0123456789abcdef"
 NEW = "the-new-internal-token-0123456789abcdef"
-OVERLAP_S = 8.0
+OVERLAP_S = 5.0
 STREAMS = 8
 ENGINE = engine_flags(num_kv_blocks=128)
 
@@ -129,10 +129,10 @@ async def test_new_certificates_and_token_rotate_the_cluster_with_no_failed_requ
             cluster.start("gateway", "pdserve.gateway", *gateway)
             await _until_pools_registered(server.url)
             base = f"http://{rest_address(cluster)}"
-            # Requests before, through and past the overlap; the file changes 3 s in.
+            # Requests before, through and past the overlap; the files change 2 s in.
             began = time.monotonic()
-            load = asyncio.create_task(_chats_until(base, began + 3 + OVERLAP_S + 3))
-            await asyncio.sleep(3)
+            load = asyncio.create_task(_chats_until(base, began + 2 + OVERLAP_S + 2))
+            await asyncio.sleep(2)
             decode = cluster.address("decode")
             assert _peer_certificate(decode, ca, old) == old_der
             # As cert-manager renews: a new key and certificate from the same CA.

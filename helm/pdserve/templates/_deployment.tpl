@@ -143,7 +143,9 @@ spec:
           {{- if eq .probe "http" }}
           {{- $check = dict "httpGet" (dict "path" "/health" "port" .probePort) }}
           {{- else if $root.Values.tls.enabled }}
-          {{- $check = dict "tcpSocket" (dict "port" .probePort) }}
+          {{- /* Kubernetes' gRPC probe speaks plaintext: the same health over HTTP on the
+          metrics port (503 once the service drains). */}}
+          {{- $check = dict "httpGet" (dict "path" "/health" "port" "metrics") }}
           {{- else }}
           {{- $check = dict "grpc" (dict "port" (int .probePortNumber)) }}
           {{- end }}
