@@ -2,8 +2,8 @@
 serves a chat through the gateway Service, and `pdserve status` (as NOTES.txt runs it, inside the
 gateway's pod) lists every pool, from a registry that asks for a password and holds signed
 entries. Only the values a user would set differ from the defaults:
-the model (the tiny random Llama on a hostPath) and its engine settings; the defaults run two
-gateways and two decode workers."""
+the model (the tiny random Llama on a hostPath), its engine settings, and one gateway (the
+defaults' two decode workers run)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def cluster(tmp_path, tiny_chat_llama_path):
             "engine.dtype": "float32",
             "engine.enforceEager": True,
             "engine.kvCacheMemory": "64MiB",
+            "gateway.replicas": 1,  # the test reaches one through the Service anyway
         }
     )
     c = LocalCluster(manifests, tmp_path)
@@ -116,7 +117,7 @@ def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
     for p in cluster.pods:
         pods[p.component].append(p)
     assert {c: len(ps) for c, ps in pods.items()} == {
-        "gateway": 2,
+        "gateway": 1,
         "prefill": 1,
         "decode": 2,
         "kvstore": 1,

@@ -30,7 +30,7 @@ from tests.helpers.tls_certs import make_ca, make_leaf
 
 OLD = "the-old-internal-token-0123456789abcdef"
 NEW = "the-new-internal-token-0123456789abcdef"
-OVERLAP_S = 5.0
+OVERLAP_S = 4.0
 STREAMS = 8
 ENGINE = engine_flags(num_kv_blocks=128)
 
