@@ -33,7 +33,7 @@ from pdserve.local.cluster_state import new_state, remove_state, write_state
 from pdserve.local.launcher import Child, Launcher, StartFailed, cpu_slices
 from pdserve.local.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.runtime.logs import configure_logging
-from pdserve.runtime.trust_files import read_trust_files
+from pdserve.runtime.trust_files import read_pair, read_trust_files
 from pdserve.settings.commands import UpSettings, known_env
 from pdserve.settings.flags import env_names, parse_settings, secret_env, to_argv, warn_unknown_env
 from pdserve.settings.process import (
@@ -78,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     warn_unknown_env(known_env())
     try:
         security = cluster_security(settings.security)
+        if settings.ssl_certfile:
+            read_pair(
+                settings.ssl_certfile, settings.ssl_keyfile, ("--ssl-certfile", "--ssl-keyfile")
+            )
         # Resolved once here: workers racing to prepare the default model would collide.
         model = str(_model_dir(settings.engine.model))
     except (ValueError, FileNotFoundError) as e:
@@ -207,6 +211,8 @@ def _start(
     gateway = GatewaySettings(
         server=ServerSettings(port=settings.port, drain_timeout=10.0),
         http_port=settings.http_port,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
         disaggregation=settings.disaggregation,
         model=model,
         max_model_len=settings.engine.max_model_len,
@@ -393,9 +399,10 @@ def _print_summary(
     """Where to send requests, a curl to paste, and how to see the cluster's state."""
     http = gateway.addresses.get("gateway-http")
     lines = ["", "pdserve is up:"]
+    scheme = "https" if settings.ssl_certfile else "http"
     if http:
-        lines.append(f"  REST   http://{http}/v1")
-    tls = " (TLS)" if settings.security.tls_cert else ""
+        lines.append(f"  REST   {scheme}://{http}/v1")
+    tls = " (TLS)" if settings.ssl_certfile else ""
     shown_url = redact_url(redis.redis_url)
     lines += [f"  gRPC   {gateway.address}{tls}", f"  Redis  {shown_url}"]
     lines += [f"  logs   {log_dir}", f"  model  {model or model_dir}", ""]
@@ -409,7 +416,7 @@ def _print_summary(
         )
         lines += [
             "Try it:",
-            f"  curl -s http://{http}/v1/chat/completions -H 'Content-Type: application/json'"
+            f"  curl -s {scheme}://{http}/v1/chat/completions -H 'Content-Type: application/json'"
             f" -d {shlex.quote(body)}",
         ]
     lines += ["  pdserve status        (this cluster's pools, from any shell here)"]

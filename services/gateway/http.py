@@ -11,6 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from pdserve.gateway.public_tls import PublicTLS
+
 logger = logging.getLogger(__name__)
 
 # A connection's kernel send buffer: ample for token streams and JSON answers, and without
@@ -35,8 +37,16 @@ class HttpServer:
         self.port = port
 
     @classmethod
-    async def start(cls, app: Any, host: str, port: int, drain_timeout_s: float) -> HttpServer:
-        """Bind ``host:port`` (0: any free port) and serve ``app`` until ``stop``."""
+    async def start(
+        cls,
+        app: Any,
+        host: str,
+        port: int,
+        drain_timeout_s: float,
+        tls: PublicTLS | None = None,
+    ) -> HttpServer:
+        """Bind ``host:port`` (0: any free port) and serve ``app`` until ``stop``; HTTPS with
+        ``tls``'s pair, which it follows as it rotates."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -57,6 +67,8 @@ class HttpServer:
             access_log=False,
             timeout_graceful_shutdown=drain_timeout_s,
             lifespan="off",
+            ssl_certfile=tls.certfile if tls else None,
+            ssl_keyfile=tls.keyfile if tls else None,
         )
         server = _Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -65,6 +77,9 @@ class HttpServer:
                 task.result()  # raises what stopped it
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
+        if tls is not None:
+            follow = asyncio.create_task(tls.follow(server.config.ssl))
+            task.add_done_callback(lambda _: follow.cancel())
         return cls(server, task, sock.getsockname()[1])
 
     async def stop(self) -> None:

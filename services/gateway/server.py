@@ -31,6 +31,7 @@ from pdserve.gateway.http import HttpServer
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_api import RETRY_AFTER_S, Served, create_app
 from pdserve.gateway.orchestrator import Orchestrator, StreamStalled
+from pdserve.gateway.public_tls import PublicTLS
 from pdserve.gateway.requests import InvalidRequest, ModelLimits, PreparedRequest, prepare
 from pdserve.gateway.router import NoWorkerError, Router, RoutingPolicy, StaticPools
 from pdserve.gateway.telemetry import RequestTelemetry, request_attributes
@@ -275,6 +276,9 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     """The model's tokenizer and limits, the router over the pools, then the REST socket (a
     taken port stops the start before anything else) and the gRPC server."""
     trust = load_trust(settings.security)
+    public_tls = None
+    if settings.ssl_certfile:
+        public_tls = PublicTLS(settings.ssl_certfile, settings.ssl_keyfile)
     path = locate_model(settings.model)
     tokenizer = load_tokenizer(path, settings.openai.chat_template)
     config = ModelConfig.from_dir(path)
@@ -308,7 +312,9 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     metrics = GatewayMetrics(model_name, limits.max_model_len, admission, orchestrator)
     http = None
     if settings.http_port >= 0:
-        http = await _start_http(settings, orchestrator, tokenizer, limits, model_name, metrics)
+        http = await _start_http(
+            settings, orchestrator, tokenizer, limits, model_name, metrics, public_tls
+        )
         resources.push_async_callback(http.stop)
     servicer = GatewayServicer(
         orchestrator,
@@ -325,10 +331,15 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
         [lambda s: add_gateway_to_server(servicer, s)],
         [SERVICE_NAME],
         max_receive_bytes=settings.max_body_bytes,
-        # The public front: TLS as configured; its door is the API key, not the internal token.
-        credentials=trust.server_credentials,
+        # The public front: TLS with the public pair (never the internal certificate); its
+        # door is the API key, not the internal token.
+        credentials=public_tls.grpc_credentials() if public_tls else None,
     )
-    logger.info("gateway: %s", trust.describe(checks_token=False))
+    logger.info(
+        "gateway: public fronts %s; to the workers: %s",
+        "TLS (--ssl-certfile)" if public_tls else "plaintext",
+        trust.describe(server=False),
+    )
     resources.push_async_callback(server.stop, None)
     serving = Serving(server, port)
     if http is not None:
@@ -344,6 +355,7 @@ async def _start_http(
     limits: ModelLimits,
     model_name: str,
     metrics: GatewayMetrics,
+    public_tls: PublicTLS | None,
 ) -> HttpServer:
     """The OpenAI REST API on --http-port, with its guards, and the gateway's /metrics."""
 
@@ -360,7 +372,11 @@ async def _start_http(
         openai=settings.openai,
     )
     return await HttpServer.start(
-        create_app(served), settings.server.host, settings.http_port, settings.server.drain_timeout
+        create_app(served),
+        settings.server.host,
+        settings.http_port,
+        settings.server.drain_timeout,
+        public_tls,
     )
 
 

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -43,13 +44,20 @@ def _stamps(paths: tuple[str | None, ...]) -> tuple:
 class CertWatcher:
     """The TLS files of ``settings``, as they are now (see the module)."""
 
-    def __init__(self, settings: InternalSecuritySettings, files: TrustFiles, clock=time.monotonic):
+    def __init__(
+        self,
+        settings: InternalSecuritySettings,
+        files: TrustFiles,
+        clock=time.monotonic,
+        reader: Callable[[InternalSecuritySettings], TrustFiles] = read_trust_files,
+    ):
         # The token file is followed on its own (token_ring): not read again here.
         self._settings = dataclasses.replace(
             settings, internal_token=None, internal_token_file=None
         )
         self._paths = (settings.tls_cert, settings.tls_key, settings.tls_ca, settings.tls_client_ca)
         self._files = files
+        self._reader = reader
         self._stamps = _stamps(self._paths)
         self._clock = clock
         self._next_check = clock() + CHECK_EVERY_S
@@ -74,7 +82,7 @@ class CertWatcher:
             if stamps == self._stamps:
                 return False
             try:
-                files = read_trust_files(self._settings)
+                files = self._reader(self._settings)
             except SettingsError as error:
                 if not self._warned:
                     logger.warning("TLS files changed but are not usable yet (%s): keeping the "

@@ -75,16 +75,16 @@ class Trust:
         self.certs.check()
         return self.certs.generation
 
-    def describe(self, checks_token: bool = True) -> str:
-        """One line for the start log (no secret in it); ``checks_token``: whether this
-        process's server requires the token (the gateway's public front does not)."""
+    def describe(self, server: bool = True) -> str:
+        """One line for the start log (no secret in it); ``server``: whether this process
+        serves internal calls (the gateway's public front is not one: it only dials)."""
         if not self.token:
             token = "no internal token"
         else:
-            token = "internal token required" if checks_token else "sends the internal token"
+            token = "internal token required" if server else "sends the internal token"
         tls = "mutual TLS" if self.mutual_tls else "TLS" if self.serves_tls else "plaintext"
         dial = "TLS" if self.dials_tls else "plaintext"
-        return f"{token}; serves {tls}; dials {dial}"
+        return f"{token}; serves {tls}; dials {dial}" if server else f"{token}; dials {dial}"
 
 
 def load_trust(settings: InternalSecuritySettings) -> Trust:

@@ -40,7 +40,7 @@ def read_trust_files(settings: InternalSecuritySettings) -> TrustFiles:
     if settings.tls_cert:
         files["cert"] = _read("--tls-cert", settings.tls_cert)
         files["key"] = _read("--tls-key", settings.tls_key)
-        _check_pair(settings.tls_cert, settings.tls_key)
+        check_pair(settings.tls_cert, settings.tls_key)
     for name, flag, path in (
         ("client_ca", "--tls-client-ca", settings.tls_client_ca),
         ("ca", "--tls-ca", settings.tls_ca),
@@ -81,14 +81,21 @@ def _read(flag: str, path: str) -> bytes:
         raise SettingsError(f"{flag} {path}: cannot read it ({error.strerror})") from None
 
 
-def _check_pair(cert: str, key: str) -> None:
+def read_pair(cert: str, key: str, flags: tuple[str, str]) -> tuple[bytes, bytes]:
+    """A certificate chain and its key, read and checked; SettingsError naming ``flags``."""
+    pair = _read(flags[0], cert), _read(flags[1], key)
+    check_pair(cert, key, flags)
+    return pair
+
+
+def check_pair(cert: str, key: str, flags: tuple[str, str] = ("--tls-cert", "--tls-key")) -> None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         # An encrypted key asks for a password: the empty one fails, as gRPC would.
         context.load_cert_chain(cert, key, password=lambda: b"")
     except ssl.SSLError as error:
         raise SettingsError(
-            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate chain and its "
+            f"{flags[0]} {cert} and {flags[1]} {key} are not a PEM certificate chain and its "
             f"unencrypted private key ({error.reason or error})"
         ) from None
 

@@ -43,6 +43,10 @@ class UpSettings:
     )
     port: int = setting(50051, "the gateway's gRPC port; 0: any free port")
     http_port: int = setting(8000, "the OpenAI REST port; 0: any free one, -1: off")
+    ssl_certfile: str | None = setting(
+        None, "PEM certificate chain of the gateway's REST (HTTPS) and gRPC fronts (TLS)"
+    )
+    ssl_keyfile: str | None = setting(None, "PEM private key (unencrypted) of --ssl-certfile")
     redis: RedisSettings = setting(default_factory=RedisSettings)
     redis_port: int = setting(0, "port of the Redis started here (without --redis-url); 0: any")
     kvstore_capacity: str = setting("2GiB", "memory of the kvstore for KV blocks")
@@ -78,6 +82,10 @@ class UpSettings:
         for flag, port in (("--port", self.port), ("--redis-port", self.redis_port)):
             check(0 <= port <= 65535, f"{flag} must be between 0 and 65535, got {port}")
         check(-1 <= self.http_port <= 65535, f"--http-port must be -1 to 65535: {self.http_port}")
+        check(
+            bool(self.ssl_certfile) == bool(self.ssl_keyfile),
+            "--ssl-certfile and --ssl-keyfile go together: pass both, or neither",
+        )
         check(self.startup_timeout > 0, "--startup-timeout must be a positive number of seconds")
         size_setting("--kvstore-capacity", self.kvstore_capacity)
 

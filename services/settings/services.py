@@ -280,6 +280,13 @@ class GatewaySettings:
     served_model_name: str | None = setting(
         None, "the model name the REST API serves and expects (default: the model dir's name)"
     )
+    ssl_certfile: str | None = setting(
+        None,
+        "PEM certificate chain the public fronts present: the REST API serves HTTPS and the "
+        "gRPC front TLS (vLLM's flag); followed as it rotates. Unset: both plaintext. The "
+        "internal --tls-cert is never shown to clients",
+    )
+    ssl_keyfile: str | None = setting(None, "PEM private key (unencrypted) of --ssl-certfile")
     prefill_addrs: tuple[str, ...] = setting(
         (),
         "a prefill worker (repeatable; the variable is comma-separated)",
@@ -383,6 +390,11 @@ class GatewaySettings:
         check(
             self.served_model_name is None or bool(self.served_model_name.strip()),
             "--served-model-name must not be empty",
+        )
+        check(
+            bool(self.ssl_certfile) == bool(self.ssl_keyfile),
+            "--ssl-certfile and --ssl-keyfile go together: pass both, or neither for plaintext "
+            "public fronts",
         )
         check(
             self.max_model_len is None or self.max_model_len >= 2,

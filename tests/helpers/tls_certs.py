@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,12 +115,31 @@ class ClusterCerts:
     ca: Pem
     service: Pem
     stranger: Pem  # signed by another CA
+    other_ca: Pem  # that CA (e.g. a public one, which the gateway's public fronts use)
 
 
 def make_cluster_certs(folder: Path) -> ClusterCerts:
     folder.mkdir(parents=True, exist_ok=True)
     ca, ca_cert, ca_key = make_ca(folder)
     service = make_leaf(folder, "service", ca_cert, ca_key)
-    _, other_cert, other_key = make_ca(folder, "another CA")
+    other_ca, other_cert, other_key = make_ca(folder, "another CA")
     stranger = make_leaf(folder, "stranger", other_cert, other_key)
-    return ClusterCerts(ca, service, stranger)
+    return ClusterCerts(ca, service, stranger, other_ca)
+
+
+def peer_certificate(address: str, ca: Pem, client: Pem | None = None) -> bytes:
+    """The DER certificate a new TLS connection (ALPN h2, as gRPC) to ``address`` is shown,
+    verified against ``ca``; ``client``: the certificate to present (mutual TLS)."""
+    context = ssl.create_default_context(cafile=str(ca.cert))
+    if client is not None:
+        context.load_cert_chain(str(client.cert), str(client.key))
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    host, _, port = address.rpartition(":")
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    with context.wrap_socket(raw, server_hostname=host) as tls:
+        return tls.getpeercert(binary_form=True)
+
+
+def der(pem: Pem) -> bytes:
+    """``pem``'s certificate in DER."""
+    return ssl.PEM_cert_to_DER_cert(pem.cert.read_text())

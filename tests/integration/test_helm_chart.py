@@ -386,3 +386,28 @@ def test_under_tls_workers_are_probed_over_http_on_their_metrics_port(rendered):
         if component(deployment) in ("decode", "prefill", "kvstore"):
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert c[kind]["httpGet"] == {"path": "/health", "port": "metrics"}, name
+
+
+def test_the_gateway_shows_clients_its_public_certificate_never_the_internal_one(rendered):
+    for set_id, public in (("default", False), ("colocated-tls", True)):
+        gateway = of_kind(rendered[set_id], "Deployment")["t-pdserve-gateway"]
+        spec = gateway["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        secrets = {v["name"]: v.get("secret", {}).get("secretName") for v in spec["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        service = of_kind(rendered[set_id], "Service")["t-pdserve-gateway"]
+        grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+        if public:
+            assert flag(c, "ssl-certfile") == "/etc/pdserve/public-tls/tls.crt"
+            assert flag(c, "ssl-keyfile") == "/etc/pdserve/public-tls/tls.key"
+            assert secrets["public-tls"] == "pdserve-public-tls"
+            assert mounts["public-tls"] == "/etc/pdserve/public-tls"
+            assert "appProtocol" not in grpc_port  # TLS, not h2c
+            # The internal certificate stays the gateway's identity towards the workers.
+            assert flag(c, "tls-cert") == "/etc/pdserve/tls/tls.crt"
+        else:
+            assert flag(c, "ssl-certfile") is None and "public-tls" not in secrets
+            assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
+        scheme = "HTTPS" if public else "HTTP"
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[kind]["httpGet"]["scheme"] == scheme, (set_id, kind)

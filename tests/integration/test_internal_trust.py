@@ -5,6 +5,7 @@ worker's kvstore allowlist, and start-up errors that name the flag."""
 from __future__ import annotations
 
 import socket
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ from pdserve.v1 import (
 )
 from tests.helpers.clusters import running, start_disaggregated
 from tests.helpers.flags import engine_flags
-from tests.helpers.tls_certs import make_cluster_certs
+from tests.helpers.tls_certs import der, make_cluster_certs, peer_certificate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -239,8 +240,10 @@ def tls_cluster(tiny_chat_llama_path, tmp_path_factory, certs):
     tls += ["--tls-ca", str(certs.ca.cert)]
     internal = [*tls, "--tls-client-ca", str(certs.ca.cert)]
     internal += ["--internal-token-file", str(token_file)]
-    # The public front serves TLS; its clients need no certificate of their own.
-    gateway = ["--http-port", "-1", *tls, "--internal-token-file", str(token_file)]
+    # The public front serves TLS with its own certificate (of another CA, as a public one
+    # would be); its clients need no certificate of their own.
+    public = ["--ssl-certfile", str(certs.stranger.cert), "--ssl-keyfile", str(certs.stranger.key)]
+    gateway = ["--http-port", "-1", *tls, *public, "--internal-token-file", str(token_file)]
     with running(tmp_path_factory.mktemp("tls-logs")) as c:
         start_disaggregated(
             c, tiny_chat_llama_path, engine=ENGINE, internal=internal, gateway=gateway
@@ -250,11 +253,14 @@ def tls_cluster(tiny_chat_llama_path, tmp_path_factory, certs):
 
 
 async def test_the_cluster_serves_a_chat_over_tls(tls_cluster, certs):
-    async with _tls_channel(
-        tls_cluster.address("gateway"), certs, client_cert=False, token=None
-    ) as ch:
+    public = grpc.ssl_channel_credentials(root_certificates=certs.other_ca.cert_bytes)
+    async with aio_channel(tls_cluster.address("gateway"), Trust(channel_credentials=public)) as ch:
         response = await gateway_pb2_grpc.GatewayStub(ch).Generate(_chat_request(), timeout=120)
     assert response.usage.completion_tokens == 8 and response.text
+    # The public front shows the public certificate, never the cluster's internal one.
+    assert peer_certificate(tls_cluster.address("gateway"), certs.other_ca) == der(certs.stranger)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        peer_certificate(tls_cluster.address("gateway"), certs.ca)
     async with _tls_channel(tls_cluster.address("kvstore"), certs) as ch:
         stat = await kvstore_pb2_grpc.KVStoreStub(ch).Stat(kvstore_pb2.StatRequest(), timeout=10)
     assert stat.blocks_in >= 1 and stat.blocks_out >= 1  # the KV went through it, over TLS

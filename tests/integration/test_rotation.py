@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import ssl
 import time
 
 import grpc
@@ -26,7 +24,7 @@ from pdserve.runtime.trust import Trust
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.helpers.clusters import rest_address, running
 from tests.helpers.flags import engine_flags
-from tests.helpers.tls_certs import make_ca, make_leaf
+from tests.helpers.tls_certs import der, make_ca, make_leaf, peer_certificate
 
 OLD = "the-old-internal-token-0123456789abcdef"
 NEW = "the-new-internal-token-0123456789abcdef"
@@ -40,21 +38,6 @@ def _write_atomically(path, text: str) -> None:
     tmp = path.with_suffix(".new")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _peer_certificate(address: str, ca, client) -> bytes:
-    """The DER certificate a new TLS connection to ``address`` is shown."""
-    context = ssl.create_default_context(cafile=str(ca.cert))
-    context.load_cert_chain(str(client.cert), str(client.key))
-    context.set_alpn_protocols(["h2"])
-    host, _, port = address.rpartition(":")
-    raw = socket.create_connection((host, int(port)), timeout=10)
-    with context.wrap_socket(raw, server_hostname=host) as tls:
-        return tls.getpeercert(binary_form=True)
-
-
-def _der(pem) -> bytes:
-    return ssl.PEM_cert_to_DER_cert(pem.cert.read_text())
 
 
 async def _stat_code(address: str, token: str, stub, request, credentials) -> grpc.StatusCode:
@@ -109,7 +92,7 @@ async def test_new_certificates_and_token_rotate_the_cluster_with_no_failed_requ
     _write_atomically(token_file, OLD + "\n")
     ca, ca_cert, ca_key = make_ca(tmp_path)
     old = make_leaf(tmp_path, "service", ca_cert, ca_key)  # the files the services read
-    old_der = _der(old)
+    old_der = der(old)
     (tmp_path / "renewed").mkdir()
     new = make_leaf(tmp_path / "renewed", "service", ca_cert, ca_key)
     server = start_redis()
@@ -134,7 +117,7 @@ async def test_new_certificates_and_token_rotate_the_cluster_with_no_failed_requ
             load = asyncio.create_task(_chats_until(base, began + 2 + OVERLAP_S + 2))
             await asyncio.sleep(2)
             decode = cluster.address("decode")
-            assert _peer_certificate(decode, ca, old) == old_der
+            assert peer_certificate(decode, ca, old) == old_der
             # As cert-manager renews: a new key and certificate from the same CA.
             _write_atomically(old.key, new.key.read_text())
             _write_atomically(old.cert, new.cert.read_text())
@@ -145,7 +128,7 @@ async def test_new_certificates_and_token_rotate_the_cluster_with_no_failed_requ
 
             kvstore = cluster.address("kvstore")
             for address in (decode, kvstore, cluster.address("prefill")):
-                assert _peer_certificate(address, ca, new) == _der(new) != old_der, address
+                assert peer_certificate(address, ca, new) == der(new) != old_der, address
             creds = grpc.ssl_channel_credentials(
                 ca.cert.read_bytes(), new.key.read_bytes(), new.cert.read_bytes()
             )

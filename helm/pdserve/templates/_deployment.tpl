@@ -2,7 +2,7 @@
 The Deployment of one pdserve pool; every pool is this one shape.
 (dict "root" $ "component" NAME "pool" VALUES "command" LIST "args" LIST
       "env" YAML-LIST "ports" LIST-OF-(name, port) "probePort" NAME "probe" "grpc"|"http"
-      "engine" BOOL "model" BOOL)
+      "engine" BOOL "model" BOOL "publicTls" SECRET-NAME-OR-EMPTY)
 */}}
 {{- define "pdserve.deployment" -}}
 {{- $root := .root -}}
@@ -140,8 +140,9 @@ spec:
             - {name: {{ .name }}, containerPort: {{ .port }}, protocol: TCP}
             {{- end }}
           {{- $check := dict }}
+          {{- $scheme := ternary "HTTPS" "HTTP" (not (empty .publicTls)) }}
           {{- if eq .probe "http" }}
-          {{- $check = dict "httpGet" (dict "path" "/health" "port" .probePort) }}
+          {{- $check = dict "httpGet" (dict "path" "/health" "port" .probePort "scheme" $scheme) }}
           {{- else if $root.Values.tls.enabled }}
           {{- /* Kubernetes' gRPC probe speaks plaintext: the same health over HTTP on the
           metrics port (503 once the service drains). */}}
@@ -152,7 +153,7 @@ spec:
           {{- /* Readiness may ask more than liveness (the gateway: a routable decode worker). */}}
           {{- $ready := $check }}
           {{- with .readyPath }}
-          {{- $ready = dict "httpGet" (dict "path" . "port" $.probePort) }}
+          {{- $ready = dict "httpGet" (dict "path" . "port" $.probePort "scheme" $scheme) }}
           {{- end }}
           {{- $probes := $pool.probes | default dict }}
           {{- $startup := dict "periodSeconds" 5 "timeoutSeconds" 3 "failureThreshold" (max 1 (div (add (int $pool.startupProbeSeconds) 4) 5)) }}
@@ -178,6 +179,9 @@ spec:
             {{- if $root.Values.tls.enabled }}
             - {name: tls, mountPath: /etc/pdserve/tls, readOnly: true}
             {{- end }}
+            {{- if .publicTls }}
+            - {name: public-tls, mountPath: /etc/pdserve/public-tls, readOnly: true}
+            {{- end }}
             {{- if $root.Values.internalToken.enabled }}
             - {name: internal-token, mountPath: /etc/pdserve/internal-token, readOnly: true}
             {{- end }}
@@ -202,6 +206,10 @@ spec:
         {{- if $root.Values.tls.enabled }}
         - name: tls
           secret: {secretName: {{ $root.Values.tls.secretName }}}
+        {{- end }}
+        {{- with .publicTls }}
+        - name: public-tls
+          secret: {secretName: {{ . }}}
         {{- end }}
         {{- if $root.Values.internalToken.enabled }}
         {{- include "pdserve.tokenVolume" $root | nindent 8 }}
