@@ -6,6 +6,7 @@ accepted by pdserve's own parsers."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import copy
 import re
 
@@ -129,13 +130,12 @@ def test_schema_refuses(values, names):
 
 @pytest.mark.parametrize("pool", ["decode", "prefill", "kvstore", "gateway"])
 def test_scaling_a_pool_is_its_replicas_alone(pool):
-    one = render(set_values={f"{pool}.replicas": 1})
-    five = render(set_values={f"{pool}.replicas": 5})
-    secret = "t-pdserve"
+    # The secrets given: made at random, they would differ per render (and the checksums).
+    secrets = {"apiKey.value": "k", "redis.password": "p", "internalToken.value": "t" * 16}
+    one = render(set_values={**secrets, f"{pool}.replicas": 1})
+    five = render(set_values={**secrets, f"{pool}.replicas": 5})
     diffs = [
-        (a["kind"], a["metadata"]["name"])
-        for a, b in zip(one, five, strict=True)
-        if a != b and a["metadata"]["name"] != secret  # random tokens differ per render
+        (a["kind"], a["metadata"]["name"]) for a, b in zip(one, five, strict=True) if a != b
     ]
     assert diffs == [("Deployment", f"t-pdserve-{pool}")]
     a = of_kind(one, "Deployment")[f"t-pdserve-{pool}"]
@@ -411,3 +411,33 @@ def test_the_gateway_shows_clients_its_public_certificate_never_the_internal_one
         scheme = "HTTPS" if public else "HTTP"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[kind]["httpGet"]["scheme"] == scheme, (set_id, kind)
+
+
+def _checksums(docs: list[dict]) -> dict[str, str]:
+    return {
+        component(d): d["spec"]["template"]["metadata"]["annotations"]["checksum/secrets"]
+        for d in of_kind(docs, "Deployment").values()
+    }
+
+
+def test_pools_roll_when_what_they_read_at_start_changes(rendered):
+    """The API key and the Redis URL are read once at start: a change of either rolls the
+    pods that read it (their template's checksum changes); the internal token is followed
+    in place, so rotating it rolls nothing."""
+    base = {"apiKey.value": "key-1", "redis.password": "pass-1"}
+    base["internalToken.value"] = "token-1-0123456789abcdef"
+    before = _checksums(render(set_values=base))
+    changed = {
+        "apiKey.value": {"gateway"},
+        "redis.password": {"gateway", "prefill", "decode", "kvstore", "redis"},
+        "internalToken.value": set(),
+    }
+    for key, rolled in changed.items():
+        after = _checksums(render(set_values={**base, key: base[key].replace("1", "2")}))
+        assert {c for c in after if after[c] != before[c]} == rolled, key
+    # Made at random in one render: the pods' checksum is of the values the Secret holds.
+    docs = rendered["default"]
+    data = of_kind(docs, "Secret")["t-pdserve"]["data"]
+    plain = {k: base64.b64decode(v).decode() for k, v in data.items()}
+    want = f"redis-url={plain['redis-url']}\napi-key={plain['api-key']}"
+    assert _checksums(docs)["gateway"] == hashlib.sha256(want.encode()).hexdigest()

@@ -36,10 +36,12 @@ spec:
         {{- with $pool.podLabels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- with $pool.podAnnotations }}
       annotations:
+        # What this pod reads once at start (the API key, the Redis URL): a change rolls it.
+        checksum/secrets: {{ include "pdserve.restartChecksum" (dict "root" $root "component" .component) }}
+        {{- with $pool.podAnnotations }}
         {{- toYaml . | nindent 8 }}
-      {{- end }}
+        {{- end }}
     spec:
       automountServiceAccountToken: false
       {{- with $root.Values.serviceAccountName }}

@@ -170,3 +170,47 @@ changes, so it rotates without a restart (docs/security.md). */}}
 {{- if and (not $dir) (eq .Values.model.source "prepare") -}}{{- $dir = "models/SmolLM2-135M-Instruct" -}}{{- end -}}
 {{- if $dir -}}{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) $dir -}}{{- else -}}{{- .Values.model.mountPath -}}{{- end -}}
 {{- end -}}
+
+
+{{/* The chart's own Secret's data, computed once per render (the pods' checksums must see
+the same random values as the Secret): kept across upgrades from the Secret in the cluster
+(a new internal token on every upgrade would make old and new pods refuse each other's
+calls mid-rollout). */}}
+{{- define "pdserve.secretData" -}}
+{{- if not (hasKey .Values "__secretData") -}}
+{{- $name := include "pdserve.secretName" . -}}
+{{- $old := (lookup "v1" "Secret" .Release.Namespace $name).data | default dict -}}
+{{- $data := dict -}}
+{{- if and .Values.internalToken.enabled (not .Values.internalToken.existingSecret) -}}
+{{- $_ := set $data "internal-token" (.Values.internalToken.value | default (get $old "internal-token" | b64dec) | default (randAlphaNum 48)) -}}
+{{- end -}}
+{{- if and .Values.apiKey.enabled (not .Values.apiKey.existingSecret) -}}
+{{- $_ := set $data "api-key" (.Values.apiKey.value | default (get $old "api-key" | b64dec) | default (printf "pds-%s" (randAlphaNum 40))) -}}
+{{- end -}}
+{{- if and .Values.redis.url (not .Values.redis.existingSecret) -}}
+{{- $_ := set $data "redis-url" .Values.redis.url -}}
+{{- end -}}
+{{- if include "pdserve.builtinRedis" . -}}
+{{- /* The built-in Valkey asks every client for a password: a pod that can reach it
+cannot read or write the registry without this Secret. */ -}}
+{{- $password := .Values.redis.password | default (get $old "redis-password" | b64dec) | default (randAlphaNum 40) -}}
+{{- $_ := set $data "redis-password" $password -}}
+{{- $_ := set $data "redis-url" (printf "redis://:%s@%s:6379/0" (urlquery $password) (include "pdserve.redisService" .)) -}}
+{{- end -}}
+{{- $_ := set .Values "__secretData" $data -}}
+{{- end -}}
+{{- toYaml (get .Values "__secretData") -}}
+{{- end -}}
+
+{{/* What a pod reads once at start from the chart's Secret, hashed: a change restarts the
+pool (the internal token and the TLS files are followed in place, so they are not in it).
+Values in Secrets of your own are not seen here: restart the pools after changing those. */}}
+{{- define "pdserve.restartChecksum" -}}
+{{- $data := include "pdserve.secretData" .root | fromYaml -}}
+{{- $keys := list "redis-url" -}}
+{{- if eq .component "gateway" }}{{ $keys = append $keys "api-key" }}{{ end -}}
+{{- if eq .component "redis" }}{{ $keys = list "redis-password" }}{{ end -}}
+{{- $parts := list -}}
+{{- range $keys }}{{ $parts = append $parts (printf "%s=%s" . (get $data . | default "")) }}{{ end -}}
+{{- join "\n" $parts | sha256sum -}}
+{{- end -}}
