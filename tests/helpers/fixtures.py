@@ -59,7 +59,7 @@ def prefill_engine(tiny_llama_path):
     blocks): what it exports is what such a worker would push."""
     from pdserve.engine import LLM
 
-    return LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=64)
+    return LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
 
 
 @pytest.fixture

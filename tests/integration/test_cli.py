@@ -52,7 +52,7 @@ def test_generate_matches_the_embedded_api(tiny_llama_path):
         "the quick brown",
     )
     assert res.returncode == 0, res.stderr
-    llm = LLM(model=str(tiny_llama_path), dtype="float32")
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", enforce_eager=True)
     (expected,) = llm.generate(["the quick brown"], SamplingParams(max_tokens=6, temperature=0))
     assert res.stdout == expected.text + "\n"
 
@@ -67,8 +67,9 @@ def test_chat_reads_turns_from_stdin(tiny_llama_path, tmp_path):
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     )
     res = _pdserve(
-        "chat", "--model", str(model), "--max-tokens", "4", stdin="hello\nthe fox\n/exit\n"
-    )
+        "chat", "--model", str(model), "--max-tokens", "4", "--dtype", "float32",
+        "--enforce-eager", stdin="hello\nthe fox\n/exit\n",
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert len(res.stdout.splitlines()) == 2  # one reply line per turn
 

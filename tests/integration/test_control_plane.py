@@ -299,7 +299,9 @@ async def test_short_prompts_skip_the_prefill_pool_with_identical_output(
     try:
         short = prompts(3, 4, 20) + prompts(4, 2, 47)
         long = prompts(5, 2, 100)
-        llm = LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=128)
+        llm = LLM(
+            model=str(tiny_llama_path), dtype="float32", num_kv_blocks=128, enforce_eager=True
+        )
         params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
         expected = [o.token_ids for o in llm.generate(short + long, params)]
 
@@ -397,7 +399,9 @@ async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
         start_all(cluster, worker_specs(tiny_llama_path, url, prefix, kvstore=False))
         gw = start_gateway(cluster, "gateway", tiny_llama_path, url, prefix)
         work = prompts(7, 6, 100)  # 6 full blocks and a tail each: 42 keys
-        llm = LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=128)
+        llm = LLM(
+            model=str(tiny_llama_path), dtype="float32", num_kv_blocks=128, enforce_eager=True
+        )
         params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
         expected = [o.token_ids for o in llm.generate(work, params)]
         outs = await asyncio.gather(*(generate(gw.address, p, f"r{i}") for i, p in enumerate(work)))

@@ -13,7 +13,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.runtime.rpc import aio_channel
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.helpers.clusters import running, start_kvstore
-from tests.helpers.flags import ENGINE, engine_flags
+from tests.helpers.flags import COMPILED, engine_flags
 
 MAX_NEW = 12
 
@@ -26,8 +26,9 @@ def cluster(tiny_llama_path, tmp_path_factory):
     with running(tmp_path_factory.mktemp("e2e-logs")) as c:
         known = start_kvstore(c)
         pre, dec, odd = c.start_many(
-            ("prefill", "pdserve.prefill", *known, *model, *ENGINE),
-            ("decode", "pdserve.decode", *known, *model, *ENGINE),
+            # The workers' default step, compiled: served exactly as the engine.
+            ("prefill", "pdserve.prefill", *known, *model, *COMPILED),
+            ("decode", "pdserve.decode", *known, *model, *COMPILED),
             ("decode-bs32", "pdserve.decode", *known, *model, *odd),
         )
         c.start_many(
@@ -72,7 +73,7 @@ async def _unary(address, req):
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama_path):
-    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=256)
+    llm = LLM(model=str(tiny_llama_path), dtype="float32", num_kv_blocks=256, enforce_eager=True)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(_prompts(), params)]
 

@@ -6,8 +6,8 @@ accepted by pdserve's own parsers."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import copy
+import hashlib
 import re
 
 import pytest
@@ -134,9 +134,7 @@ def test_scaling_a_pool_is_its_replicas_alone(pool):
     secrets = {"apiKey.value": "k", "redis.password": "p", "internalToken.value": "t" * 16}
     one = render(set_values={**secrets, f"{pool}.replicas": 1})
     five = render(set_values={**secrets, f"{pool}.replicas": 5})
-    diffs = [
-        (a["kind"], a["metadata"]["name"]) for a, b in zip(one, five, strict=True) if a != b
-    ]
+    diffs = [(a["kind"], a["metadata"]["name"]) for a, b in zip(one, five, strict=True) if a != b]
     assert diffs == [("Deployment", f"t-pdserve-{pool}")]
     a = of_kind(one, "Deployment")[f"t-pdserve-{pool}"]
     b = copy.deepcopy(of_kind(five, "Deployment")[f"t-pdserve-{pool}"])

@@ -364,7 +364,9 @@ def test_a_dead_prefill_worker_costs_a_prefill_on_the_decode_worker(cluster):
 def test_streams_leave_a_decode_worker_whose_engine_dies(tiny_chat_llama_path, tmp_path):
     """The watchdog answers the dead engine's streams UNAVAILABLE at once (and the worker
     exits 3); the gateway moves them. Outputs equal the in-process engine's."""
-    llm = LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=512)
+    llm = LLM(
+        model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=512, enforce_eager=True
+    )
     from pdserve.core.sampling import StructuredOutputs
 
     params = [

@@ -57,7 +57,9 @@ def test_models_and_health(client, http):
 
 
 def test_greedy_completion_equals_the_engine(client, tiny_chat_llama_path, cluster):
-    llm = LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64)
+    llm = LLM(
+        model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64, enforce_eager=True
+    )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = llm.generate([PROMPT_IDS], params)[0].token_ids
     out = client.completions.create(
@@ -93,7 +95,9 @@ def test_greedy_completion_equals_the_engine(client, tiny_chat_llama_path, clust
 
 
 def test_logprobs_equal_the_engines(client, tiny_chat_llama_path):
-    llm = LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64)
+    llm = LLM(
+        model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64, enforce_eager=True
+    )
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     (want,) = llm.generate([PROMPT_IDS], params)
     out = client.completions.create(

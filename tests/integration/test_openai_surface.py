@@ -39,7 +39,9 @@ def http(cluster):
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_llama_path):
-    return LLM(model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64)
+    return LLM(
+        model=str(tiny_chat_llama_path), dtype="float32", num_kv_blocks=64, enforce_eager=True
+    )
 
 
 def greedy(llm, prompt, n=6, **kw):

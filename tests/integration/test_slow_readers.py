@@ -21,7 +21,7 @@ from tests.helpers.flags import engine_flags
 ENGINE = engine_flags(num_kv_blocks=8192, max_num_seqs=128)
 MODEL = "tiny"
 SEND_TIMEOUT_S = 5.0
-NUM_STALLED = 50
+NUM_STALLED = 16
 FREED_WITHIN_S = 90.0  # a deadline for the slots to come back, not a benchmark
 GATEWAY = [
     *("--served-model-name", MODEL, "--send-timeout", str(SEND_TIMEOUT_S)),
