@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from pdserve.gateway.public_tls import PublicTLS
+from pdserve.runtime.metrics import CONTENT_TYPE, exposition
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +88,26 @@ class HttpServer:
         """Stop accepting, give running requests the drain timeout, then close."""
         self._server.should_exit = True
         await self._task
+
+
+def metrics_app(registry: CollectorRegistry, healthy: Callable[[], bool]) -> Callable:
+    """The ASGI app of ``--metrics-port``: GET /metrics (``registry`` as Prometheus text)
+    and GET /health (200 while ``healthy()``, then 503), nothing else (404)."""
+
+    async def app(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope.get("path", "")
+        if path == "/metrics":
+            status, kind, body = 200, CONTENT_TYPE, exposition(registry)
+        elif path == "/health":
+            ok = healthy()
+            status, kind = (200 if ok else 503), "text/plain; charset=utf-8"
+            body = b"SERVING\n" if ok else b"NOT_SERVING\n"
+        else:
+            status, kind, body = 404, "text/plain; charset=utf-8", b"not found\n"
+        headers = [(b"content-type", kind.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app

@@ -92,6 +92,7 @@ class Served:
     admission: Admission = field(default_factory=lambda: Admission(256, 512, 30.0))
     send_timeout_s: float = 30.0
     metrics: GatewayMetrics | None = None  # None: a registry of this app's own
+    serve_metrics: bool = True  # False: /metrics is served on --metrics-port, not here
     openai: OpenAISettings = field(default_factory=OpenAISettings)
 
 
@@ -167,10 +168,12 @@ def create_app(served: Served) -> FastAPI:
         """SageMaker's health check (as vLLM serves it): /health."""
         return Response(status_code=200)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
-        """Prometheus text: requests, admission state, routing counters, the process."""
-        return Response(exposition(registry.registry), media_type=CONTENT_TYPE)
+    if served.serve_metrics:
+
+        @app.get("/metrics", response_class=PlainTextResponse)
+        async def metrics() -> Response:
+            """Prometheus text: requests, admission state, routing counters, the process."""
+            return Response(exposition(registry.registry), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from pdserve.core.model import ModelConfig, locate_model
 from pdserve.core.tokenizer import ChatTemplateError, Tokenizer
 from pdserve.gateway.admission import Admission, Overloaded
 from pdserve.gateway.generation import REQUEST_ERRORS, generate
-from pdserve.gateway.http import HttpServer
+from pdserve.gateway.http import HttpServer, metrics_app
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_api import RETRY_AFTER_S, Served, create_app
 from pdserve.gateway.orchestrator import Orchestrator, StreamStalled
@@ -310,6 +310,15 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     )
     model_name = settings.served_model_name or path.name
     metrics = GatewayMetrics(model_name, limits.max_model_len, admission, orchestrator)
+    started: list[Serving] = []  # the service, once built: its draining flag
+    metrics_server = None
+    if settings.metrics_port >= 0:  # OSError when it cannot bind
+        # In this event loop: the gateway's collectors read the registry view, which is its.
+        app = metrics_app(metrics.registry, lambda: bool(started) and not started[0].draining)
+        metrics_server = await HttpServer.start(
+            app, settings.server.host, settings.metrics_port, settings.server.drain_timeout
+        )
+        resources.push_async_callback(metrics_server.stop)
     http = None
     if settings.http_port >= 0:
         http = await _start_http(
@@ -342,6 +351,10 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     )
     resources.push_async_callback(server.stop, None)
     serving = Serving(server, port)
+    started.append(serving)
+    if metrics_server is not None:
+        address = host_port(settings.server.host, metrics_server.port)
+        serving.ready_lines.append(("gateway-metrics", address))
     if http is not None:
         serving.ready_lines.append(("gateway-http", host_port(settings.server.host, http.port)))
         serving.drains.append(lambda _grace: http.stop())
@@ -370,6 +383,7 @@ async def _start_http(
         send_timeout_s=settings.send_timeout,
         metrics=metrics,
         openai=settings.openai,
+        serve_metrics=settings.metrics_port < 0,
     )
     return await HttpServer.start(
         create_app(served),

@@ -280,6 +280,12 @@ class GatewaySettings:
     served_model_name: str | None = setting(
         None, "the model name the REST API serves and expects (default: the model dir's name)"
     )
+    metrics_port: int = setting(
+        -1,
+        "a plain HTTP port of its own for GET /metrics and GET /health, e.g. for a scraper "
+        "admitted by a NetworkPolicy; with it the public REST port no longer serves /metrics "
+        "(its series name the workers' addresses); -1: /metrics on the REST port, as vLLM",
+    )
     ssl_certfile: str | None = setting(
         None,
         "PEM certificate chain the public fronts present: the REST API serves HTTPS and the "
@@ -390,6 +396,11 @@ class GatewaySettings:
         check(
             self.served_model_name is None or bool(self.served_model_name.strip()),
             "--served-model-name must not be empty",
+        )
+        check(
+            -1 <= self.metrics_port <= 65535,
+            f"--metrics-port must be in [0, 65535], or -1 for /metrics on the REST port; got "
+            f"{self.metrics_port}",
         )
         check(
             bool(self.ssl_certfile) == bool(self.ssl_keyfile),

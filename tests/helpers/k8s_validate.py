@@ -79,6 +79,11 @@ CUSTOM_SCHEMAS = {
                 "maxReplicaCount": _INT,
                 "pollingInterval": _INT,
                 "cooldownPeriod": _INT,
+                # KEDA's CRD: both required; `behavior` (static by default) not written here.
+                "fallback": _strict(
+                    {"failureThreshold": _INT, "replicas": _INT},
+                    ("failureThreshold", "replicas"),
+                ),
                 "advanced": _strict(
                     {"horizontalPodAutoscalerConfig": _strict({"behavior": {"type": "object"}})}
                 ),

@@ -439,3 +439,51 @@ def test_pools_roll_when_what_they_read_at_start_changes(rendered):
     plain = {k: base64.b64decode(v).decode() for k, v in data.items()}
     want = f"redis-url={plain['redis-url']}\napi-key={plain['api-key']}"
     assert _checksums(docs)["gateway"] == hashlib.sha256(want.encode()).hexdigest()
+
+
+def test_every_pod_is_scraped_once_on_its_metrics_port(rendered):
+    docs = rendered["autoscaling-monitoring"]
+    (monitor,) = of_kind(docs, "PodMonitor").values()
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    for name, deployment in of_kind(docs, "Deployment").items():
+        if component(deployment) == "redis":
+            continue
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert "metrics" in {p["name"] for p in c["ports"]}, name
+    gateway = of_kind(docs, "Deployment")["t-pdserve-gateway"]
+    (c,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert flag(c, "metrics-port") == "9400"
+    both = template(
+        set_values={
+            "monitoring.podMonitor.enabled": True,
+            "monitoring.serviceMonitor.enabled": True,
+        },
+        check=False,
+    )
+    assert both.returncode != 0 and "not both" in both.stderr
+    only_gateways = render(set_values={"monitoring.serviceMonitor.enabled": True})
+    (sm,) = of_kind(only_gateways, "ServiceMonitor").values()
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+    service = of_kind(only_gateways, "Service")["t-pdserve-gateway-metrics"]
+    assert all(
+        v == sm["spec"]["selector"]["matchLabels"].get(k)
+        for k, v in service["metadata"]["labels"].items()
+        if k in sm["spec"]["selector"]["matchLabels"]
+    )
+    assert [p["name"] for p in service["spec"]["ports"]] == ["metrics"]
+
+
+def test_keda_scales_a_pool_on_its_own_queue_with_a_fallback(rendered):
+    (scaled,) = of_kind(rendered["autoscaling-monitoring"], "ScaledObject").values()
+    assert component(scaled) == "prefill"
+    (trigger,) = scaled["spec"]["triggers"]  # no CPU trigger beside a fallback
+    assert 'role="prefill"' in trigger["metadata"]["query"]
+    assert scaled["spec"]["fallback"] == {"failureThreshold": 3, "replicas": 2}
+
+
+def test_every_emptydir_has_a_size_limit(rendered):
+    for set_id, docs in rendered.items():
+        for name, deployment in of_kind(docs, "Deployment").items():
+            for volume in deployment["spec"]["template"]["spec"]["volumes"]:
+                if "emptyDir" in volume:
+                    assert volume["emptyDir"].get("sizeLimit"), (set_id, name, volume["name"])

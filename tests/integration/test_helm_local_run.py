@@ -52,6 +52,42 @@ def cluster(tmp_path, tiny_chat_llama_path):
     assert all(code == 0 for code in codes.values()), f"not a clean drain on SIGTERM: {codes}"
 
 
+def _admits(policy: dict, pod_labels: dict, port: str, peer: dict) -> bool:
+    """Whether ``policy`` selects a pod of ``pod_labels`` and admits ``peer`` to ``port``."""
+    selector = policy["spec"]["podSelector"]
+    if any(pod_labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        inside = pod_labels.get(e["key"]) in e["values"]
+        if inside != (e["operator"] == "In"):
+            return False
+    return any(
+        any(p["port"] == port for p in rule.get("ports", [])) and peer in rule.get("from", [])
+        for rule in policy["spec"].get("ingress", [])
+    )
+
+
+def scrape_every_pod(cluster: LocalCluster) -> dict[str, str]:
+    """GET /metrics on every pod's port named metrics, as Prometheus does, each through a
+    NetworkPolicy rule that admits the monitoring namespace to it: {pod: its base URL}."""
+    monitoring = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
+    policies = [m for m in cluster.manifests if m["kind"] == "NetworkPolicy"]
+    scraped = {}
+    for pod in cluster.pods:
+        try:
+            port = pod.ports[pod.port_named("metrics")]
+        except KeyError:
+            continue
+        assert any(_admits(p, pod.labels, "metrics", monitoring) for p in policies), pod.name
+        url = f"http://127.0.0.1:{port}"
+        answer = httpx.get(f"{url}/metrics", timeout=10)
+        assert answer.status_code == 200 and "pdserve:" in answer.text, pod.name
+        scraped[pod.name] = url
+    return scraped
+
+
 def status(cluster: LocalCluster) -> dict:
     """`pdserve status --json` with the gateway container's env (`kubectl exec`)."""
     done = subprocess.run(
@@ -152,8 +188,14 @@ def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert isinstance(answer["choices"][0]["message"]["content"], str)
+    # Prometheus' path: every pod's metrics port, which a NetworkPolicy opens to the
+    # monitoring namespace (the gateways' public REST port serves no /metrics).
+    scraped = scrape_every_pod(cluster)
+    assert set(scraped) == {p.name for p in cluster.pods if p.component != "redis"}
+    assert httpx.get(f"{base}/metrics", timeout=10).status_code == 404
     # Disaggregated: prefilled by the prefill pool, its KV through the kvstore.
-    assert metric(base, "pdserve:prefill_requests_total", where="remote") >= 1
+    gateway_metrics = next(url for name, url in scraped.items() if "gateway" in name)
+    assert metric(gateway_metrics, "pdserve:prefill_requests_total", where="remote") >= 1
 
     # Both decode replicas serve: requests in flight together spread over the pool.
     replies = asyncio.run(chats(base, api_key, 8))

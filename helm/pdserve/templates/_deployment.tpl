@@ -234,6 +234,6 @@ persistentVolumeClaim: {claimName: {{ $model.pvc.claimName }}, readOnly: true}
 {{- else if $model.pvc.claimName -}}
 persistentVolumeClaim: {claimName: {{ $model.pvc.claimName }}}
 {{- else -}}
-emptyDir: {}
+emptyDir: {sizeLimit: {{ $model.sizeLimit }}}
 {{- end -}}
 {{- end -}}

@@ -1,6 +1,7 @@
-"""The gateway's public fronts over TLS (--ssl-certfile, --ssl-keyfile): HTTPS and gRPC
-show the public certificate, not the internal one, refuse plaintext, and follow the files
-as a cert-manager renewal rewrites them (pdserve.gateway.public_tls)."""
+"""The gateway's fronts. Over TLS (--ssl-certfile, --ssl-keyfile): HTTPS and gRPC show the
+public certificate, not the internal one, refuse plaintext, and follow the files as a
+cert-manager renewal rewrites them (pdserve.gateway.public_tls). With --metrics-port:
+/metrics moves off the public REST port to a plain port of its own."""
 
 from __future__ import annotations
 
@@ -88,3 +89,24 @@ def test_a_bad_public_pair_stops_the_start_naming_the_flags(tmp_path, tiny_chat_
     )
     assert alone.returncode == 2
     assert "--ssl-certfile and --ssl-keyfile go together" in alone.stderr
+
+
+def test_metrics_port_takes_metrics_off_the_public_port(tmp_path, tiny_chat_llama_path):
+    with running(tmp_path / "logs") as c:
+        gateway = c.start(
+            "gateway",
+            "pdserve.gateway",
+            *("--decode", "127.0.0.1:9", "--disaggregation", "off", "--http-port", "0"),
+            *("--model", str(tiny_chat_llama_path), "--metrics-port", "0"),
+            ready=("gateway-metrics",),
+        )
+        scrape = f"http://{gateway.addresses['gateway-metrics']}"
+        public = f"http://{rest_address(c)}"
+        metrics = httpx.get(f"{scrape}/metrics", timeout=10)
+        assert metrics.status_code == 200
+        assert "pdserve:num_requests_running" in metrics.text
+        assert "pdserve:pool_workers" in metrics.text  # read in the event loop
+        assert httpx.get(f"{scrape}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{public}/metrics", timeout=10).status_code == 404
+        assert httpx.get(f"{public}/health", timeout=10).status_code == 200
+    assert not c.unhandled_errors()
