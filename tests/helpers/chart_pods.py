@@ -219,20 +219,47 @@ class LocalCluster:
     def start(self, timeout: float) -> None:
         """Start every pod's containers at once (as a cluster does) and return once each
         pod's readinessProbe passes; StartFailed names one that exited or never got ready."""
-        for pod in self.pods:
-            if pod.spec.get("initContainers"):
-                raise AssertionError(f"{pod.name}: init containers are not emulated")
-            self._write_secret_volumes(pod)
-            for container in pod.spec["containers"]:
-                env = self.env_of(pod, container)
-                child = self.launcher.start(
-                    f"{pod.name}-{container['name']}",
-                    self.argv_of(pod, container, env),
-                    probe=_throttled(self._probe(pod, container)),
-                    env=env,
-                )
-                self.running.append(Running(pod, container, child, env))
-        self.launcher.wait_ready([r.child for r in self.running], timeout)
+        started = [r for pod in self.pods for r in self._start_pod(pod)]
+        self.launcher.wait_ready([r.child for r in started], timeout)
+
+    def _start_pod(self, pod: Pod) -> list[Running]:
+        if pod.spec.get("initContainers"):
+            raise AssertionError(f"{pod.name}: init containers are not emulated")
+        self._write_secret_volumes(pod)
+        started = []
+        for container in pod.spec["containers"]:
+            env = self.env_of(pod, container)
+            child = self.launcher.start(
+                f"{pod.name}-{container['name']}",
+                self.argv_of(pod, container, env),
+                probe=_throttled(self._probe(pod, container)),
+                env=env,
+            )
+            started.append(Running(pod, container, child, env))
+        self.running += started
+        return started
+
+    def roll(self, component: str, timeout: float) -> list[Pod]:
+        """A rolling update of ``component``'s Deployment as its strategy (maxSurge 1,
+        maxUnavailable 0) runs it: for each old pod in turn a new one starts, and once its
+        readinessProbe passes the old one gets SIGTERM and its termination grace period to
+        drain. The new pods; the old ones' processes stay in ``running`` (exit codes)."""
+        old = [p for p in self.pods if p.component == component]
+        rolling = old[0].deployment["spec"]["strategy"]["rollingUpdate"]
+        assert (rolling["maxSurge"], rolling["maxUnavailable"]) == (1, 0), rolling
+        grace = old[0].spec["terminationGracePeriodSeconds"]
+        new = []
+        for k, pod in enumerate(old):
+            fresh = Pod(f"{pod.deployment['metadata']['name']}-new{k}", pod.deployment)
+            for c in fresh.spec["containers"]:
+                for p in c.get("ports", []):
+                    fresh.ports[p["containerPort"]] = free_port()
+            self.pods.append(fresh)
+            self.launcher.wait_ready([r.child for r in self._start_pod(fresh)], timeout)
+            self.pods.remove(pod)
+            self.launcher.stop([r.child for r in self.running if r.pod is pod], grace)
+            new.append(fresh)
+        return new
 
     def exec_env(self, component: str) -> dict[str, str]:
         """The env a ``kubectl exec`` into the first pod of ``component`` would see."""

@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -148,6 +149,54 @@ async def chats(base: str, api_key: str, n: int) -> list[httpx.Response]:
         )
 
 
+async def stream_chat(client: httpx.AsyncClient, base: str, api_key: str, content: str):
+    """(status, finish_reason, completion tokens) of one streamed chat, read to its end."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {api_key}"}
+    finish, tokens = None, None
+    async with client.stream(
+        "POST", f"{base}/v1/chat/completions", json=body, headers=headers
+    ) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices", []):
+                finish = choice.get("finish_reason") or finish
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+        return r.status_code, finish, tokens
+
+
+async def roll_under_streams(cluster: LocalCluster, base: str, api_key: str):
+    """Roll the decode pool while 4 clients stream chats one after another."""
+    done = asyncio.Event()
+    results: list[tuple] = []
+
+    async def client(i: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as h:
+            n = 0
+            while not done.is_set():
+                results.append(await stream_chat(h, base, api_key, f"{i} {n} {LONG}"))
+                n += 1
+
+    clients = [asyncio.create_task(client(i)) for i in range(4)]
+    try:
+        new = await asyncio.to_thread(cluster.roll, "decode", START_S)
+    finally:
+        done.set()
+        await asyncio.gather(*clients)
+    return new, results
+
+
 def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
     pods = {p.component: [] for p in cluster.pods}
     for p in cluster.pods:
@@ -203,6 +252,13 @@ def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
     body = wait_for_pools(cluster, expected)
     served = [w["requests_total"] for w in body["pools"]["decode"]["workers"]]
     assert len(served) == 2 and all(n > 0 for n in served), served
+
+    # A rolling restart of the decode pool (a new pod ready, then an old one drained, twice)
+    # while streams run: none fails or ends short, and the registry holds the new pods.
+    new, streams = asyncio.run(roll_under_streams(cluster, base, api_key))
+    assert len(streams) >= 8 and set(streams) == {(200, "length", 32)}, Counter(streams)
+    expected["decode"] = {f"127.0.0.1:{next(iter(p.ports.values()))}" for p in new}
+    wait_for_pools(cluster, expected)
 
     logs = "\n".join(r.child.log_text() for r in cluster.running)
     assert "is not a pdserve setting" not in logs  # every PDSERVE_* the chart sets is read
