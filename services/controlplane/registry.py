@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from pdserve.controlplane.signing import signed_json
 from pdserve.settings.process import host_port
+from pdserve.settings.redis_url import is_sentinel, parse_sentinel_url
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +122,30 @@ class Keys:
 
 
 def connect(url: str):
-    """An asyncio Redis client with short timeouts: a dead Redis must never stall a request."""
+    """An asyncio Redis client with short timeouts: a dead Redis must never stall a request.
+    A ``redis+sentinel://`` URL gives a client of the master the Sentinels name, which asks
+    them again when the master fails over (pdserve.settings.redis_url)."""
     import redis.asyncio as aioredis
 
-    return aioredis.Redis.from_url(
-        url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=5
+    timeouts = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
+    if not is_sentinel(url):
+        return aioredis.Redis.from_url(url, health_check_interval=5, **timeouts)
+    from redis.asyncio.sentinel import Sentinel
+
+    spec = parse_sentinel_url(url)
+    tls = {"ssl": True} if spec.tls else {}
+    sentinels = Sentinel(
+        list(spec.sentinels),
+        sentinel_kwargs={"password": spec.sentinel_password, **timeouts, **tls},
+        **timeouts,
+        **tls,
+    )
+    return sentinels.master_for(
+        spec.service,
+        db=spec.db,
+        username=spec.username,
+        password=spec.password,
+        health_check_interval=5,
     )
 
 

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from pdserve.settings.flags import check, setting
 from pdserve.settings.redaction import redact_url
+from pdserve.settings.redis_url import is_sentinel, parse_sentinel_url
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ class RedisSettings:
 
     redis_url: str | None = setting(
         None,
-        "the cluster's Redis (e.g. redis://127.0.0.1:6379/0): workers and kvstores register "
-        "there and gateways find them there; unset: no registry",
+        "the cluster's Redis (e.g. redis://127.0.0.1:6379/0; rediss:// for TLS; through "
+        "Sentinel: redis+sentinel://[:PASSWORD@]HOST:26379[,HOST:26379...]/SERVICE[/DB]): "
+        "workers and kvstores register there and gateways find them there; unset: no "
+        "registry",
         secret=True,  # it may hold a password: `pdserve up` passes it by environment
     )
     redis_prefix: str = setting(
@@ -68,6 +71,11 @@ class RedisSettings:
 
     def __post_init__(self) -> None:
         check(bool(self.redis_prefix), "--redis-prefix must not be empty")
+        if is_sentinel(self.redis_url):
+            try:
+                parse_sentinel_url(self.redis_url)
+            except ValueError as error:
+                check(False, f"--redis-url: {error}")
 
     def __repr__(self) -> str:  # a URL's password stays out of the settings logged at start
         url = redact_url(self.redis_url)

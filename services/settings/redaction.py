@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from pdserve.settings.redis_url import is_sentinel, parse_sentinel_url
+
 MASK = "***"
 # Query parameters that redis-py reads as credentials.
 _SECRET_PARAMS = ("password",)
@@ -15,6 +17,11 @@ def redact_url(url: str | None) -> str | None:
     replaced by ``***``; a URL that cannot be parsed is masked whole."""
     if not url:
         return url
+    if is_sentinel(url):  # several hosts: not a URL urlsplit reads
+        try:
+            return parse_sentinel_url(url).redacted(MASK)
+        except ValueError:
+            return MASK
     try:
         parts = urlsplit(url)
         password = parts.password

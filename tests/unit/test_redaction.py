@@ -45,3 +45,17 @@ def test_status_prints_no_redis_password(capsys):
     assert main(["--redis-url", "redis://:hunter2@127.0.0.1:1/0"]) == 1
     err = capsys.readouterr().err
     assert "hunter2" not in err and "redis://:***@127.0.0.1:1/0" in err
+
+
+def test_sentinel_urls_keep_their_hosts_and_lose_both_passwords():
+    from pdserve.settings.redis_url import parse_sentinel_url
+
+    url = "redis+sentinel://:p%40ss@10.0.0.1,[::1]:26380/registry/2?sentinel_password=s3cret"
+    shown = redact_url(url)
+    assert shown == (
+        "redis+sentinel://:***@10.0.0.1:26379,[::1]:26380/registry/2?sentinel_password=***"
+    )
+    spec = parse_sentinel_url(url)
+    assert (spec.password, spec.sentinel_password) == ("p@ss", "s3cret")
+    assert spec.sentinels == (("10.0.0.1", 26379), ("::1", 26380)) and spec.db == 2
+    assert "s3cret" not in repr(spec) and "p@ss" not in repr(spec)
