@@ -279,6 +279,12 @@ async def start(settings: GatewaySettings, resources: contextlib.AsyncExitStack)
     public_tls = None
     if settings.ssl_certfile:
         public_tls = PublicTLS(settings.ssl_certfile, settings.ssl_keyfile)
+    elif settings.security.tls_cert:
+        logger.warning(
+            "--tls-cert is the gateway's identity towards the workers, never shown to its "
+            "clients: its REST and gRPC fronts are plaintext; pass --ssl-certfile and "
+            "--ssl-keyfile for TLS to clients"
+        )
     path = locate_model(settings.model)
     tokenizer = load_tokenizer(path, settings.openai.chat_template)
     config = ModelConfig.from_dir(path)
