@@ -10,23 +10,29 @@ import time
 from collections.abc import Sequence
 
 from pdserve.controlplane.registry import ROLES, WorkerInfo
+from pdserve.controlplane.signing import Verifier
 from pdserve.controlplane.view import RegistryView
+from pdserve.core.errors import SettingsError
 from pdserve.local.cluster_state import running_clusters, state_dir
 from pdserve.runtime.logs import configure_logging
+from pdserve.runtime.trust_files import read_token
 from pdserve.settings.commands import StatusSettings
 from pdserve.settings.flags import parse_settings
-from pdserve.settings.process import RedisSettings
+from pdserve.settings.process import InternalSecuritySettings, RedisSettings
 from pdserve.settings.redaction import redact_url
 
 
-async def read_workers(url: str, prefix: str) -> list[WorkerInfo]:
-    """Live registry entries; ConnectionError when Redis does not answer."""
-    view = RegistryView(url, prefix=prefix)
+async def read_workers(
+    url: str, prefix: str, verifier: Verifier | None = None
+) -> tuple[list[WorkerInfo], dict[str, str]]:
+    """Live registry entries, and those ``verifier`` refused ({key: why}: what gateways
+    leave out too); ConnectionError when Redis does not answer."""
+    view = RegistryView(url, prefix=prefix, verifier=verifier or Verifier())
     try:
         await view.refresh()
         if not view.redis_ok:
             raise ConnectionError(f"Redis at {redact_url(url)} does not answer")
-        return view.workers()
+        return view.workers(), view.refused
     finally:
         await view.close()
 
@@ -163,14 +169,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         cluster = clusters[0]
         redis = RedisSettings(cluster.redis_url, cluster.redis_prefix)
+    given = settings.security
     try:
-        workers = asyncio.run(read_workers(redis.redis_url, redis.redis_prefix))
+        token = read_token(
+            InternalSecuritySettings(
+                internal_token=given.internal_token, internal_token_file=given.internal_token_file
+            )
+        )
+    except SettingsError as e:
+        print(f"pdserve status: error: {e}", file=sys.stderr)
+        return 2
+    verifier = Verifier.for_tokens(token) if token else None
+    try:
+        workers, refused = asyncio.run(read_workers(redis.redis_url, redis.redis_prefix, verifier))
     except ConnectionError as e:
         print(f"pdserve status: error: {e}; is the cluster up?", file=sys.stderr)
         return 1
     now = time.time()
     if settings.json_output:
         body = {"redis_url": redact_url(redis.redis_url), **status_json(workers, now)}
+        body["verified"] = verifier is not None
+        body["refused"] = refused
         if cluster is not None:
             body["cluster"] = {
                 "up_pid": cluster.pid,
@@ -184,4 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rest = f", REST {cluster.rest}" if cluster.rest else ""
             print(f"cluster of `pdserve up` (pid {cluster.pid}): gRPC {cluster.gateway}{rest}\n")
         print(format_tables(workers, now), end="")
+        if verifier is None:
+            print("(not verified: with the internal token, entries gateways refuse show apart)")
+        for key, why in sorted(refused.items()):
+            print(f"REFUSED {key}: {why}; gateways do not route to it")
     return 0

@@ -211,6 +211,12 @@ class RegistryView:
         self._refused = refused
         return entries
 
+    @property
+    def refused(self) -> dict[str, str]:
+        """The entries the last refresh left out: {key: why} (unsigned, forged, replayed,
+        malformed)."""
+        return dict(self._refused)
+
     async def _poll_loop(self) -> None:
         while not self._closed:
             with contextlib.suppress(asyncio.TimeoutError):

@@ -140,6 +140,24 @@ class ChatSettings:
 
 
 @dataclass(frozen=True)
+class StatusTokenSettings:
+    """The cluster's internal token, which `pdserve status` verifies the entries with."""
+
+    GROUP: ClassVar[str] = "internal security"
+
+    internal_token: str | None = setting(
+        None,
+        "the cluster's internal token (as its services take it): entries it did not sign "
+        "(unsigned, forged, replayed) are listed apart as refused, as gateways refuse them; "
+        "unset: every entry is listed, unverified",
+        secret=True,
+    )
+    internal_token_file: str | None = setting(
+        None, "a file whose first line is the internal token (instead of --internal-token)"
+    )
+
+
+@dataclass(frozen=True)
 class StatusSettings:
     """`pdserve status`: the registry of a cluster, read once."""
 
@@ -147,6 +165,9 @@ class StatusSettings:
 
     json_output: bool = setting(False, "print JSON instead of tables", flag="--json")
     redis: RedisSettings = setting(default_factory=RedisSettings)
+    # The cluster's token, as its services take it: entries it does not verify (unsigned,
+    # forged, replayed) are listed apart as refused, as gateways refuse them.
+    security: StatusTokenSettings = setting(default_factory=StatusTokenSettings)
     log: LogSettings = setting(default_factory=quiet_log)
 
 

@@ -213,7 +213,9 @@ def test_rendered_chart_serves_a_chat_and_lists_every_pool(cluster):
         role: {f"127.0.0.1:{next(iter(p.ports.values()))}" for p in pods[role]}
         for role in ("prefill", "decode", "kvstore")
     }
-    wait_for_pools(cluster, expected)
+    listed = wait_for_pools(cluster, expected)
+    # `pdserve status` in the gateway's pod has its token: every entry verified.
+    assert listed["verified"] and listed["refused"] == {}
     # The registry: Redis asks for the Secret's password, and the workers signed their entries.
     redis_address = cluster.service_address("t-pdserve-redis", "redis")
     host, _, port = redis_address.rpartition(":")

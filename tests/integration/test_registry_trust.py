@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -95,7 +98,8 @@ async def _serve_past_forgeries(tmp_path, model, url, fake, fake_address):
         # The worker's own entry is signed with the token's key, and verifies.
         assert Verifier.for_tokens(TOKEN).why_refused(real) is None
         assert Verifier.for_tokens("another-cluster-token-0123456789").why_refused(real)
-        for forged in _forgeries(real, fake_address).values():
+        forgeries = _forgeries(real, fake_address)
+        for forged in forgeries.values():
             await client.set(keys.worker(forged["worker_id"]), json.dumps(forged), px=60_000)
         # A forged "down" for the real worker would take it out of the gateway's view.
         forged_down = json.dumps({"kind": "down", "id": real["worker_id"]})
@@ -112,4 +116,33 @@ async def _serve_past_forgeries(tmp_path, model, url, fake, fake_address):
         for why in ("not signed", "signature is not the cluster's", "heartbeat time"):
             assert why in log, why
         assert "forged 'down'" in log
+
+        # `pdserve status` with the token lists apart what the verifier refuses; without it,
+        # every entry, unverified.
+        refused = {
+            keys.worker(f["worker_id"]) for n, f in forgeries.items() if n != "no-fingerprint"
+        }
+        checked = await asyncio.to_thread(_status, url, TOKEN)
+        assert checked["verified"] and set(checked["refused"]) == refused, checked["refused"]
+        listed = {w["worker_id"] for w in checked["pools"]["decode"]["workers"]}
+        assert real["worker_id"] in listed and not {k.rpartition(":")[2] for k in refused} & listed
+        unchecked = await asyncio.to_thread(_status, url, None)
+        assert not unchecked["verified"] and unchecked["refused"] == {}
+        assert len(unchecked["pools"]["decode"]["workers"]) == 1 + len(forgeries)
     await client.aclose()
+
+
+def _status(url: str, token: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_INTERNAL_TOKEN")}
+    env["PDSERVE_REDIS_URL"] = url
+    if token:
+        env["PDSERVE_INTERNAL_TOKEN"] = token
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
