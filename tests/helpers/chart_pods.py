@@ -100,6 +100,7 @@ class LocalCluster:
         (self.bin_dir / "valkey-server").symlink_to(find_redis_server())
         self.launcher = Launcher(log_dir, env=self.base_env(), cwd=log_dir)
         self.running: list[Running] = []
+        self._later: tuple[str, ...] = ()
 
     def base_env(self) -> dict[str, str]:
         """What the image gives every container: PATH, HOME, pdserve's cache home, and this
@@ -216,11 +217,27 @@ class LocalCluster:
 
     # -- processes --------------------------------------------------------------------------
 
-    def start(self, timeout: float) -> None:
+    def start(self, timeout: float, later: tuple[str, ...] = ()) -> None:
         """Start every pod's containers at once (as a cluster does) and return once each
-        pod's readinessProbe passes; StartFailed names one that exited or never got ready."""
-        started = [r for pod in self.pods for r in self._start_pod(pod)]
-        self.launcher.wait_ready([r.child for r in started], timeout)
+        pod's readinessProbe passes; StartFailed names one that exited or never got ready.
+        The pods of the components in ``later`` wait for ``start_later`` (a pool whose
+        nodes come up last), and gateways are then not waited for (their readiness needs a
+        decode worker)."""
+        started = [
+            r for pod in self.pods if pod.component not in later for r in self._start_pod(pod)
+        ]
+        waited = [r for r in started if not later or r.pod.component != "gateway"]
+        self.launcher.wait_ready([r.child for r in waited], timeout)
+        self._later = later
+
+    def start_later(self, timeout: float) -> None:
+        """Start the pods ``start`` held back, and return once they and every gateway are
+        ready."""
+        held = [p for p in self.pods if p.component in self._later]
+        children = [r.child for p in held for r in self._start_pod(p)]
+        children += [r.child for r in self.running if r.pod.component == "gateway"]
+        self.launcher.wait_ready(children, timeout)
+        self._later = ()
 
     def _start_pod(self, pod: Pod) -> list[Running]:
         if pod.spec.get("initContainers"):

@@ -1,7 +1,8 @@
 """The chart runs: what it renders, started as local processes (tests/helpers/chart_pods.py),
-serves a chat through the gateway Service, and `pdserve status` (as NOTES.txt runs it, inside the
-gateway's pod) lists every pool, from a registry that asks for a password and holds signed
-entries. Only the values a user would set differ from the defaults:
+serves a chat through the gateway Service (not ready until its decode pool is up), and
+`pdserve status` (as NOTES.txt runs it, inside the gateway's pod) lists every pool, from a
+registry that asks for a password and holds signed entries; every pod is scraped on its
+metrics port, and the decode pool is rolled under streaming clients. Only the values a user would set differ from the defaults:
 the model (the tiny random Llama on a hostPath), its engine settings, and one gateway (the
 defaults' two decode workers run)."""
 
@@ -45,7 +46,24 @@ def cluster(tmp_path, tiny_chat_llama_path):
     )
     c = LocalCluster(manifests, tmp_path)
     try:
-        c.start(timeout=START_S)
+        # The decode pool last: until a decode worker registers, the gateway is alive but
+        # not ready (a load balancer sends it nothing).
+        c.start(timeout=START_S, later=("decode",))
+        base = "http://" + c.service_address("t-pdserve-gateway", "http")
+        deadline = time.monotonic() + START_S
+        while True:
+            try:
+                health = httpx.get(f"{base}/health", timeout=5).status_code
+            except httpx.HTTPError:
+                health = None
+            if health == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert health == 200
+        not_ready = httpx.get(f"{base}/ready", timeout=5)
+        assert not_ready.status_code == 503, not_ready.text
+        c.start_later(timeout=START_S)
+        assert httpx.get(f"{base}/ready", timeout=5).status_code == 200
         yield c
     finally:
         c.stop()
