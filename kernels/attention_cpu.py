@@ -4,9 +4,11 @@
 Decode attention reads each sequence's K/V from the paged cache in place (no gather) and
 the KV write skips negative slots (padding rows of a bucketed batch); prefill keeps the
 reference's gather + SDPA, with the step's index tensors and mask (``PrefillPlan``) made
-once for all layers rather than once per layer. The C code runs without the GIL (ctypes
-releases it) on torch's OpenMP threads, in the widest variant this CPU runs (avx512, avx2 or
-portable: ``vector_path()``); ``isa=`` runs another (the tests run each).
+once for all layers rather than once per layer (a plan per window, for models whose layers
+mix window sizes). A sliding window (``window`` > 0) starts each sequence's decode loop at
+its first token in the window, so no block before it is read. The C code runs without the
+GIL (ctypes releases it) on torch's OpenMP threads, in the widest variant this CPU runs
+(avx512, avx2 or portable: ``vector_path()``); ``isa=`` runs another (the tests run each).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ __all__ = [
     "write_kv",
 ]
 
-_plans = threading.local()  # the last step's PrefillPlan, per engine thread
+_plans = threading.local()  # the last step's PrefillPlan of each window, per engine thread
 
 
 def paged_prefill_attention(
@@ -42,14 +44,19 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """``attention_ref.paged_prefill_attention``; a step's layers pass the same metadata
-    tensors, so the plan made at the first layer serves the others."""
-    step = (block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len)
-    plan = getattr(_plans, "last", None)
-    if plan is None or not plan.matches(query.shape[0], *step):
-        plan = attention_ref.PrefillPlan(query.shape[0], key_cache, *step)
-        _plans.last = plan
+    tensors, so the plan made at the first layer of a window serves the others."""
+    step = (query.shape[0], block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len)
+    plans = getattr(_plans, "by_window", {})
+    plan = plans.get(window)
+    if plan is None or not plan.matches(*step, window):
+        plan = attention_ref.PrefillPlan(step[0], key_cache, *step[1:], window)
+        # Plans of an earlier step go; this step's other windows stay.
+        plans = {w: p for w, p in plans.items() if p.matches(*step, w)}
+        plans[window] = plan
+        _plans.by_window = plans
     return plan.attend(query, key_cache, value_cache, scale)
 
 
@@ -59,8 +66,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SIGNATURES = {
     "pd_write_kv_f32": "ppllllpplllpiiii",
     "pd_write_kv_bf16": "ppllllpplllpiiii",
-    "pd_decode_attention_f32": "pllpplllplpiiiiifpi",
-    "pd_decode_attention_bf16": "pllpplllplpiiiiifpi",
+    "pd_decode_attention_f32": "pllpplllplpiiiiiifpi",
+    "pd_decode_attention_bf16": "pllpplllplpiiiiiifpi",
 }
 
 
@@ -149,6 +156,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    window: int = 0,
     isa: str | None = None,
 ) -> torch.Tensor:
     """As ``attention_ref.paged_decode_attention``; a sequence of length 0 gets zeros.
@@ -183,6 +191,7 @@ def paged_decode_attention(
         num_kv_heads,
         head_dim,
         key_cache.shape[1],
+        window,
         float(scale),
         out.data_ptr(),
         torch.get_num_threads(),

@@ -5,6 +5,10 @@ KV cache layout (per layer, as views into the engine's block-contiguous buffer):
 A token's slot is ``block_id * block_size + offset_in_block``. The views may be
 strided across blocks (a block's layers are contiguous), so nothing here
 reshapes the cache across its first two dimensions.
+
+Sliding windows (``window`` > 0, transformers' rule): a query at position p attends keys
+p - window < j <= p. Blocks wholly before a sequence's window are never read: its block
+table row is shifted to start at the first block the window needs.
 """
 
 from __future__ import annotations
@@ -91,6 +95,19 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: in
     return _ContextIndex(cache, block_tables, max_len).gather(cache)
 
 
+def _window_tables(
+    block_tables: torch.Tensor, first_pos: torch.Tensor, block_size: int, span: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``block_tables`` shifted to start at the block holding ``first_pos`` (the
+    first position a sequence's window needs), ``span`` tokens of blocks wide, and the
+    position of each row's first token: ([num_seqs, ceil(span / block_size)], [num_seqs]).
+    Columns past the table's width repeat its last one (they lie past every sequence's end)."""
+    first_block = torch.div(first_pos, block_size, rounding_mode="floor").long()
+    cols = first_block[:, None] + torch.arange(-(-span // block_size), device=first_pos.device)
+    cols = cols.clamp(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, cols), first_block * block_size
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -99,25 +116,38 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence against its paged context (which includes the token itself).
 
     query: [num_seqs, num_heads, head_dim]
     block_tables: [num_seqs, max_blocks_per_seq] int32/int64 (entries past a sequence's blocks are ignored)
     seq_lens: [num_seqs] context length of each sequence, counting the query token.
+    window: > 0 attends the last ``window`` tokens only (their blocks alone are read).
     Returns [num_seqs, num_heads, head_dim] in query's dtype.
     """
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    k = _gather_context(key_cache, block_tables, max_seq_len)  # [S, Hkv, T, D]
-    v = _gather_context(value_cache, block_tables, max_seq_len)
+    tables, span = block_tables, max_seq_len
+    if window > 0:
+        # The first needed position, len - window, lies less than a block into its block.
+        span = min(max_seq_len, window + key_cache.shape[1] - 1)
+        first = (seq_lens - window).clamp(min=0)
+        tables, offset = _window_tables(block_tables, first, key_cache.shape[1], span)
+    k = _gather_context(key_cache, tables, span)  # [S, Hkv, T, D]
+    v = _gather_context(value_cache, tables, span)
     # GQA without repeating K/V: the query heads of a group form the rows of one matmul.
     q = query.to(k.dtype).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [S, Hkv, G, T]
-    positions = torch.arange(max_seq_len, device=query.device)
-    scores.masked_fill_((positions[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+    positions = torch.arange(span, device=query.device)
+    if window > 0:
+        positions = offset[:, None] + positions[None, :]  # [S, T]
+        hidden = (positions >= seq_lens[:, None]) | (positions < (seq_lens - window)[:, None])
+    else:
+        hidden = positions[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [S, Hkv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
@@ -137,6 +167,7 @@ class PrefillPlan:
         query_start_loc: torch.Tensor,
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
+        window: int = 0,
     ) -> None:
         q_lens = query_start_loc[1:] - query_start_loc[:-1]
         if max_query_len is None:
@@ -145,6 +176,7 @@ class PrefillPlan:
             max_seq_len = int(seq_lens.max())
         self.inputs = (num_tokens, block_tables, seq_lens, query_start_loc)
         self.limits = (max_query_len, max_seq_len)
+        self.window = window
         device = key_cache.device
         # Pad the packed queries to [S, max_q]; row j of seq i is its token at position
         # seq_len - q_len + j.
@@ -154,16 +186,28 @@ class PrefillPlan:
         self.q_shape = tuple(src.shape)
         self.src = src.reshape(-1)
         q_pos = (seq_lens - q_lens)[:, None] + row[None, :]  # [S, Q]
-        kv_pos = torch.arange(max_seq_len, device=device)
-        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
-            kv_pos[None, None, :] < seq_lens[:, None, None]
-        )  # [S, Q, T]
-        # Padded query rows would see nothing; let them see position 0 to avoid NaN.
+        tables, span = block_tables, max_seq_len
+        if window > 0:
+            # A chunk needs positions from first_query - window + 1: less than a block into
+            # its block, so the chunk's last token is under max_q + window + block_size - 2
+            # past that block's start.
+            block_size = key_cache.shape[1]
+            span = min(max_seq_len, max_query_len + window + block_size - 2)
+            first = (seq_lens - q_lens - window + 1).clamp(min=0)
+            tables, offset = _window_tables(block_tables, first, block_size, span)
+            kv_pos = (offset[:, None] + torch.arange(span, device=device))[:, None, :]  # [S, 1, T]
+        else:
+            kv_pos = torch.arange(span, device=device)[None, None, :]
+        mask = (kv_pos <= q_pos[:, :, None]) & (kv_pos < seq_lens[:, None, None])  # [S, Q, T]
+        if window > 0:
+            mask &= kv_pos > q_pos[:, :, None] - window
+        # Padded query rows would see nothing; let them see the first gathered token (a
+        # block the window reads) to avoid NaN.
         mask[:, :, 0] |= ~valid_q
         self.mask = mask[:, None]
         # The real rows of the padded [S * Q] output, in packed order.
         self.out_rows = valid_q.reshape(-1).nonzero().squeeze(1)
-        self.context = _ContextIndex(key_cache, block_tables, max_seq_len)
+        self.context = _ContextIndex(key_cache, tables, span)
 
     def matches(
         self,
@@ -173,11 +217,13 @@ class PrefillPlan:
         query_start_loc: torch.Tensor,
         max_query_len: int | None,
         max_seq_len: int | None,
+        window: int = 0,
     ) -> bool:
-        """Whether this plan was made for these very step tensors."""
+        """Whether this plan was made for these very step tensors and window."""
         n, bt, sl, qsl = self.inputs
         return (
             n == num_tokens
+            and window == self.window
             and bt is block_tables
             and sl is seq_lens
             and qsl is query_start_loc
@@ -213,12 +259,14 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """A chunk of query tokens per sequence, packed, against the paged context, causally.
 
     Sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are its
     last tokens, at positions ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``. Their K/V are
-    already in the cache. Token at position p attends to context positions 0..p.
+    already in the cache. Token at position p attends to context positions 0..p, or with
+    ``window`` > 0 to p - window + 1..p (the blocks before are not read).
 
     query: [num_tokens, num_heads, head_dim]
     block_tables: [num_seqs, max_blocks_per_seq]
@@ -234,5 +282,6 @@ def paged_prefill_attention(
         query_start_loc,
         max_query_len,
         max_seq_len,
+        window,
     )
     return plan.attend(query, key_cache, value_cache, scale)

@@ -4,6 +4,9 @@ Each sequence's context is cut into splits of a fixed number of tokens; a progra
 attends one KV head's query group over one split, and a second kernel merges the
 splits' partial softmaxes. With a single split the first kernel writes the output
 itself. ``decode_split_plan`` chooses the split count and size.
+
+A sliding window (``window`` > 0) shifts a sequence's splits to start at its first token
+in the window, len - window: the tokens before are neither read nor counted in the plan.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def _decode_split_kernel(
     part_l_ptr,
     part_acc_ptr,
     qk_scale,
+    window,
     tokens_per_split,
     num_splits,
     num_heads,
@@ -65,16 +69,20 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     # Program (seq, kv_head, split): all GROUP_SIZE query heads of one KV head against
-    # context tokens [split * tokens_per_split, +tokens_per_split) of one sequence.
+    # context tokens [first + split * tokens_per_split, +tokens_per_split) of one sequence,
+    # first its first token in the window (0 without one).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start = split * tokens_per_split
+    if SLIDING:
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -222,6 +230,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_seq_len: int | None = None,
+    window: int = 0,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -234,6 +243,8 @@ def paged_decode_attention(
     max_seq_len: an upper bound of seq_lens, used only to size the split-K grid; when None,
         block_tables.shape[1] * block_size (no device sync). A sequence longer than it is
         an error that goes unnoticed: its tail is ignored.
+    window: > 0 attends each sequence's last ``window`` tokens only (the blocks before are
+        not read); the splits then cover min(max_seq_len, window) tokens.
     num_splits: override of the number of context splits (tests, tuning).
     Returns [num_seqs, num_heads, head_dim] in query's dtype.
     """
@@ -250,7 +261,8 @@ def paged_decode_attention(
     tile_n = _decode_tile(head_dim_pad)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    splits, tokens_per_split = decode_split_plan(max_seq_len, head_dim, num_splits)
+    span = min(max_seq_len, window) if window > 0 else max_seq_len
+    splits, tokens_per_split = decode_split_plan(span, head_dim, num_splits)
 
     if splits == 1:
         part_m = part_l = part_acc = out  # unused
@@ -271,6 +283,7 @@ def paged_decode_attention(
         part_l,
         part_acc,
         scale * _LOG2E,
+        window,
         tokens_per_split,
         splits,
         num_heads,
@@ -286,6 +299,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         SINGLE_SPLIT=splits == 1,
+        SLIDING=window > 0,
         DOT_PRECISION=_dot_precision(key_cache.dtype),
         DOT_DTYPE=_dot_dtype(key_cache.dtype),
         num_warps=4,

@@ -4,6 +4,9 @@ A program takes a tile of one sequence's query tokens times one KV head's query 
 and walks the sequence's context through the block table, up to the tile's causal
 bound. The chunk's own K/V are already in the cache, so chunked prefill and
 prefix-cache hits need nothing special: the chunk is the sequence's last tokens.
+
+A sliding window (``window`` > 0) starts the walk at the tile's first query's first key,
+its position - window + 1, and masks each row's keys outside its own window.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -54,6 +58,7 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
@@ -91,10 +96,13 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)  # causal bound of the tile
+    kv_start = 0
+    if SLIDING:  # the window of the tile's first query
+        kv_start = tl.maximum(ctx_len + q_tile * BLOCK_Q - window + 1, 0)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
     k_head = key_cache_ptr + kv_head * stride_kh + d[None, :] * stride_kd
     v_head = value_cache_ptr + kv_head * stride_vh + d[None, :] * stride_vd
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         tok = tile_start + tl.arange(0, BLOCK_N)
         tok_mask = tok < kv_end
         block = tl.load(bt_row + (tok // BLOCK_SIZE) * stride_btb, mask=tok_mask, other=0)
@@ -108,10 +116,19 @@ def _prefill_kernel(
         )  # [BLOCK_N, HEAD_DIM_PAD]
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         visible = (tok[None, :] <= q_pos[:, None]) & tok_mask[None, :]
+        if SLIDING:
+            visible &= tok[None, :] > q_pos[:, None] - window
         qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if SLIDING:
+            # A row whose window starts past this tile has seen nothing yet: keep its
+            # state at zero rather than exp2(-inf - -inf) = NaN.
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_head + block[:, None] * stride_vb + in_block[:, None] * stride_vt,
@@ -122,6 +139,8 @@ def _prefill_kernel(
         acc = tl.dot(p, v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SLIDING:  # a padding row past the chunk may see no key at all: 0, not 0 / 0
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
@@ -140,12 +159,14 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """A chunk of query tokens per sequence, packed, against the paged context, causally.
 
     Sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are its
     last tokens, at positions ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``. Their K/V are
-    already in the cache. Token at position p attends to context positions 0..p.
+    already in the cache. Token at position p attends to context positions 0..p, or with
+    ``window`` > 0 to p - window + 1..p (the blocks before the tile's window are not read).
 
     query: [num_tokens, num_heads, head_dim], any strides
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], any strides
@@ -184,6 +205,7 @@ def paged_prefill_attention(
         query_start_loc,
         out,
         scale * _LOG2E,
+        window,
         *query.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
@@ -196,6 +218,7 @@ def paged_prefill_attention(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
+        SLIDING=window > 0,
         DOT_PRECISION=_dot_precision(key_cache.dtype),
         DOT_DTYPE=_dot_dtype(key_cache.dtype),
         num_warps=4 if head_dim_pad <= 128 else 8,

@@ -11,6 +11,9 @@
  * head-major run is read in one pass); otherwise a task is one (sequence, kv head), so
  * that the threads have work to share, and shapes the decoder does not take run the
  * portable loops below.
+ *
+ * A sliding window (window > 0) starts each sequence at its first_token (cpu_attention.h):
+ * the loops begin at that token of its block, so the blocks before are never read.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -55,7 +58,8 @@ void pd_write_kv_bf16(const uint16_t* k, const uint16_t* v, int64_t k_ts, int64_
 
 /* ---- decode attention: the portable loops ---------------------------------------------- */
 
-/* Sequence s, kv head hk, one query head at a time. scores: len floats; acc: D floats. */
+/* Sequence s, kv head hk, one query head at a time. scores: len - first floats (token t at
+ * t - first); acc: D floats. */
 PD_INLINE void decode_head_portable(const decode_call* call, int s, int hk, float* scores,
                                     float* acc, const int bf16) {
     const void *q = call->q, *kc = call->kc, *vc = call->vc;
@@ -63,30 +67,31 @@ PD_INLINE void decode_head_portable(const decode_call* call, int s, int hk, floa
     const int64_t blk_s = call->blk_s, tok_s = call->tok_s, head_s = call->head_s;
     const int32_t* table = call->bt + (int64_t)s * call->bt_s;
     const int len = call->seq_lens[s], block_size = call->block_size, D = call->D;
+    const int first = first_token(call, len);
     const int H = call->H, G = H / call->hkv;
     const float scale = call->scale;
     for (int g = 0; g < G; g++) {
         const void* qp = elem_at(q, s * call->q_ts + (int64_t)(hk * G + g) * call->q_hs, bf16);
         float mx = -INFINITY;
-        for (int t = 0; t < len; t++) {
+        for (int t = first; t < len; t++) {
             const void* kp =
                 elem_at(kc, token_at(table, t, block_size, blk_s, tok_s) + hk * head_s, bf16);
             float dot = 0.f;
             for (int i = 0; i < D; i++) dot += load_elem(qp, i, bf16) * load_elem(kp, i, bf16);
             dot *= scale;
-            scores[t] = dot;
+            scores[t - first] = dot;
             if (dot > mx) mx = dot;
         }
         float sum = 0.f;
-        for (int t = 0; t < len; t++) {
+        for (int t = 0; t < len - first; t++) {
             scores[t] = expf(scores[t] - mx);
             sum += scores[t];
         }
         for (int i = 0; i < D; i++) acc[i] = 0.f;
-        for (int t = 0; t < len; t++) {
+        for (int t = first; t < len; t++) {
             const void* vp =
                 elem_at(vc, token_at(table, t, block_size, blk_s, tok_s) + hk * head_s, bf16);
-            for (int i = 0; i < D; i++) acc[i] += scores[t] * load_elem(vp, i, bf16);
+            for (int i = 0; i < D; i++) acc[i] += scores[t - first] * load_elem(vp, i, bf16);
         }
         void* op = (char*)out + ((int64_t)s * H + hk * G + g) * D * elem_size(bf16);
         for (int i = 0; i < D; i++) store_elem(op, i, acc[i] / sum, bf16);
@@ -99,9 +104,13 @@ PD_INLINE void decode_head_portable(const decode_call* call, int s, int hk, floa
 PD_INLINE void decode(const decode_call* call, int nthreads, const int bf16) {
     const int S = call->S, H = call->H, hkv = call->hkv, D = call->D;
     const int G = H / hkv;
+    /* The longest run of scores a task keeps: from its first token (rounded down to 16, the
+     * widest decoder's tiles) to the end. */
     int max_len = 1;
-    for (int s = 0; s < S; s++)
-        if (call->seq_lens[s] > max_len) max_len = call->seq_lens[s];
+    for (int s = 0; s < S; s++) {
+        const int len = call->seq_lens[s], span = len - (first_token(call, len) & ~15);
+        if (span > max_len) max_len = span;
+    }
     const int64_t stride_g = ((int64_t)max_len + 31) & ~(int64_t)15;
     const int vec = vec_decode_takes(G, D, call->block_size);
     const int per_seq = vec && S >= 4 * nthreads;
@@ -132,12 +141,13 @@ PD_INLINE void decode(const decode_call* call, int nthreads, const int bf16) {
 void pd_decode_attention_f32(const float* q, int64_t q_ts, int64_t q_hs, const float* kc,
                              const float* vc, int64_t blk_s, int64_t tok_s, int64_t head_s,
                              const int32_t* bt, int64_t bt_s, const int32_t* seq_lens, int S,
-                             int H, int hkv, int D, int block_size, float scale, float* out,
-                             int nthreads) {
+                             int H, int hkv, int D, int block_size, int window, float scale,
+                             float* out, int nthreads) {
     const decode_call call = {.q = q, .q_ts = q_ts, .q_hs = q_hs, .kc = kc, .vc = vc,
                               .blk_s = blk_s, .tok_s = tok_s, .head_s = head_s, .bt = bt,
                               .bt_s = bt_s, .seq_lens = seq_lens, .S = S, .H = H, .hkv = hkv,
-                              .D = D, .block_size = block_size, .scale = scale, .out = out,
+                              .D = D, .block_size = block_size, .window = window,
+                              .scale = scale, .out = out,
                               .bf16 = 0};
     decode(&call, nthreads, 0);
 }
@@ -145,12 +155,13 @@ void pd_decode_attention_f32(const float* q, int64_t q_ts, int64_t q_hs, const f
 void pd_decode_attention_bf16(const uint16_t* q, int64_t q_ts, int64_t q_hs, const uint16_t* kc,
                               const uint16_t* vc, int64_t blk_s, int64_t tok_s, int64_t head_s,
                               const int32_t* bt, int64_t bt_s, const int32_t* seq_lens, int S,
-                              int H, int hkv, int D, int block_size, float scale, uint16_t* out,
-                              int nthreads) {
+                              int H, int hkv, int D, int block_size, int window, float scale,
+                              uint16_t* out, int nthreads) {
     const decode_call call = {.q = q, .q_ts = q_ts, .q_hs = q_hs, .kc = kc, .vc = vc,
                               .blk_s = blk_s, .tok_s = tok_s, .head_s = head_s, .bt = bt,
                               .bt_s = bt_s, .seq_lens = seq_lens, .S = S, .H = H, .hkv = hkv,
-                              .D = D, .block_size = block_size, .scale = scale, .out = out,
+                              .D = D, .block_size = block_size, .window = window,
+                              .scale = scale, .out = out,
                               .bf16 = 1};
     decode(&call, nthreads, 1);
 }

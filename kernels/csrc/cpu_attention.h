@@ -25,7 +25,7 @@ typedef struct {
     const int32_t* bt;
     int64_t bt_s;
     const int32_t* seq_lens;
-    int S, H, hkv, D, block_size;
+    int S, H, hkv, D, block_size, window;
     float scale;
     void* out;
     int bf16;
@@ -37,12 +37,19 @@ static inline int64_t token_at(const int32_t* table, int t, int block_size, int6
     return table[t / block_size] * blk_s + (int64_t)(t % block_size) * tok_s;
 }
 
+/* The first token a sequence of length len attends: len - window under a sliding window
+ * (window > 0) that the sequence outgrows, else 0. No cache row before it is read. */
+static inline int first_token(const decode_call* call, int len) {
+    return call->window > 0 && len > call->window ? len - call->window : 0;
+}
+
 /* 1 when the vector decoder takes calls of group size G = H / hkv, head dim D and this
  * block size; the others take the portable loops. */
 int vec_decode_takes(int G, int D, int block_size);
 
-/* Sequence s, every kv head in one task (a large batch). scores: [H][stride_g] floats;
- * work: H * (2 D + 16) + 16 floats, both 64-byte aligned. */
+/* Sequence s, every kv head in one task (a large batch). scores: [H][stride_g] floats, row
+ * entry i the score of token (first_token & ~15) + i at most (a decoder's tiles start at its
+ * lane count's multiple); work: H * (2 D + 16) + 16 floats, both 64-byte aligned. */
 void vec_decode_sequence(const decode_call* call, int s, float* scores, int64_t stride_g,
                          float* work);
 

@@ -11,12 +11,16 @@
  * results in either split: the query scaled in fp32; each score one 8-lane chain over d,
  * then a fixed tree over the lanes; exp(score - max) in 8 lanes; the V sum over tokens in
  * order; the division by the sum of the exps last.
+ *
+ * A sliding window starts a sequence at its first_token t1: the score tiles at t1 rounded
+ * down to 8 (still in t1's block; the lanes before t1 masked out of the scores), the V
+ * sums at t1 itself. No block before t1's is read.
  */
 #include "cpu_attention.h"
 #include "vec_avx2.h"
 
 /* work: [nh][D] the scaled query, [nh][D] the V sums, [nh][8] running maxima (nh = the
- * task's query heads); scores: nh rows of stride_g floats. */
+ * task's query heads); scores: nh rows of stride_g floats, token t at t - t_lo. */
 PD_INLINE void decode_heads(const decode_call* call, int s, int hk0, int hk1, const int C,
                             const int bf16, float* scores, int64_t stride_g, float* work) {
     const void *q = call->q, *kc = call->kc, *vc = call->vc;
@@ -24,6 +28,7 @@ PD_INLINE void decode_heads(const decode_call* call, int s, int hk0, int hk1, co
     const int64_t blk_s = call->blk_s, tok_s = call->tok_s, head_s = call->head_s;
     const int32_t* table = call->bt + (int64_t)s * call->bt_s;
     const int len = call->seq_lens[s], block_size = call->block_size;
+    const int first = first_token(call, len), t_lo = first & ~7;
     const int H = call->H, G = H / call->hkv;
     const int nh = (hk1 - hk0) * G, D = 8 * C, h0 = hk0 * G;
     float* qf = work;
@@ -39,11 +44,11 @@ PD_INLINE void decode_heads(const decode_call* call, int s, int hk0, int hk1, co
         _mm256_store_ps(mxf + 8 * i, _mm256_set1_ps(-INFINITY));
     }
     const int nk = hk1 - hk0;
-    for (int t0 = 0; t0 < len; t0 += 8) {
-        const int tn = len - t0 < 8 ? len - t0 : 8;
+    for (int t0 = t_lo; t0 < len; t0 += 8) {
+        const int tn = len - t0 < 8 ? len - t0 : 8, j0 = first > t0 ? first - t0 : 0;
         const int64_t tile = token_at(table, t0, block_size, blk_s, tok_s) + hk0 * head_s;
         const void* kt = elem_at(kc, tile, bf16);
-        const __m256 valid = vf_first_lanes(tn);
+        const __m256 valid = vf_lanes(j0, tn);
         for (int k = 0; k < nk; k++) {
             const void* kb = elem_at(kt, k * head_s, bf16);
             for (int g = 0; g < G; g++) {
@@ -60,7 +65,7 @@ PD_INLINE void decode_heads(const decode_call* call, int s, int hk0, int hk1, co
                 }
                 const __m256 d =
                     _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), vf_transpose_sum(part), valid);
-                _mm256_storeu_ps(scores + i * stride_g + t0, d);
+                _mm256_storeu_ps(scores + i * stride_g + (t0 - t_lo), d);
                 _mm256_store_ps(mxf + 8 * i, _mm256_max_ps(_mm256_load_ps(mxf + 8 * i), d));
             }
         }
@@ -69,23 +74,28 @@ PD_INLINE void decode_heads(const decode_call* call, int s, int hk0, int hk1, co
         const __m256 m = _mm256_set1_ps(vf_hmax(_mm256_load_ps(mxf + 8 * i)));
         float* p = scores + i * stride_g;
         __m256 sum = _mm256_setzero_ps();
-        for (int t0 = 0; t0 < len; t0 += 8) {
-            __m256 e = vf_exp(_mm256_sub_ps(_mm256_loadu_ps(p + t0), m));
-            if (len - t0 < 8) e = _mm256_and_ps(e, vf_first_lanes(len - t0));
-            _mm256_storeu_ps(p + t0, e);
+        for (int t0 = t_lo; t0 < len; t0 += 8) {
+            __m256 e = vf_exp(_mm256_sub_ps(_mm256_loadu_ps(p + (t0 - t_lo)), m));
+            if (t0 < first || len - t0 < 8) {
+                const int lo = t0 < first ? first - t0 : 0, hi = len - t0 < 8 ? len - t0 : 8;
+                e = _mm256_and_ps(e, vf_lanes(lo, hi));
+            }
+            _mm256_storeu_ps(p + (t0 - t_lo), e);
             sum = _mm256_add_ps(sum, e);
         }
         mxf[8 * i] = vf_hsum(sum); /* the maxima are done with */
     }
-    for (int t0 = 0; t0 < len; t0 += block_size) {
-        const int tn = len - t0 < block_size ? len - t0 : block_size;
+    /* A block at a time, from the first token (wherever it lies in its block). */
+    for (int t0 = first; t0 < len; t0 += block_size - t0 % block_size) {
+        const int t_end = t0 - t0 % block_size + block_size;
+        const int tn = (len < t_end ? len : t_end) - t0;
         const int64_t tile = token_at(table, t0, block_size, blk_s, tok_s) + hk0 * head_s;
         const void* vt = elem_at(vc, tile, bf16);
         for (int k = 0; k < nk; k++) {
             const void* vb = elem_at(vt, k * head_s, bf16);
             for (int g = 0; g < G; g++) {
                 const int i = k * G + g;
-                const float* p = scores + i * stride_g + t0;
+                const float* p = scores + i * stride_g + (t0 - t_lo);
                 for (int c0 = 0; c0 < C; c0 += 8) {
                     const int cn = C - c0 < 8 ? C - c0 : 8;
                     __m256 acc[8];

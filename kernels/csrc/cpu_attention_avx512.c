@@ -10,6 +10,12 @@
  * it. Both do the same arithmetic in the same order (the query scaled in fp32, the same
  * dot-product chains and sums, the V sum over tokens in order), so they give equal
  * results; only the state between tiles (running maxima, V sums) lives in `work`.
+ *
+ * A sliding window starts a sequence at its first_token t1: the tiles at t1 rounded down
+ * to 16 (still in t1's block; the lanes before t1 masked out of the scores and skipped in
+ * the V sums), so no block before t1's is read. A tile's scores are kept at t0 - t_lo,
+ * t_lo = t1 & ~15. The mask of the first tile is set apart, and the V rows start at 0 in
+ * every other: this keeps GCC's code for the loops as fast as without a window.
  */
 #include "cpu_attention.h"
 #include "vec_avx512.h"
@@ -40,6 +46,7 @@ PD_INLINE void decode_head_body(const decode_call* call, int s, int hk, const in
     const int64_t blk_s = call->blk_s, tok_s = call->tok_s, head_s = call->head_s;
     const int32_t* table = call->bt + (int64_t)s * call->bt_s;
     const int len = call->seq_lens[s], block_size = call->block_size, H = call->H;
+    const int first = first_token(call, len), t_lo = first & ~15;
     const int es = elem_size(bf16);
     __m512 qv[MAX_G][MAX_C], acc[MAX_G][MAX_C], mx[MAX_G];
     const __m512 sc = _mm512_set1_ps(call->scale);
@@ -48,7 +55,8 @@ PD_INLINE void decode_head_body(const decode_call* call, int s, int hk, const in
         for (int c = 0; c < C; c++) qv[g][c] = _mm512_mul_ps(vf_load(qp, 16 * c, bf16), sc);
         mx[g] = _mm512_set1_ps(-INFINITY);
     }
-    for (int t0 = 0; t0 < len; t0 += 16) {
+    const __mmask16 skip = (__mmask16)((1u << (first - t_lo)) - 1u); /* the first tile's */
+    for (int t0 = t_lo; t0 < len; t0 += 16) {
         const int tn = len - t0 < 16 ? len - t0 : 16;
         const int64_t tile = token_at(table, t0, block_size, blk_s, tok_s) + hk * head_s;
         const void* kb = elem_at(kc, tile, bf16);
@@ -67,11 +75,11 @@ PD_INLINE void decode_head_body(const decode_call* call, int s, int hk, const in
                 part[g][j] = x;
             }
         }
-        const __mmask16 valid = (__mmask16)((1u << tn) - 1u);
+        const __mmask16 valid = (__mmask16)((1u << tn) - 1u) & ~(t0 == t_lo ? skip : 0);
         for (int g = 0; g < G; g++) {
             const __m512 d = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
                                                   vf_transpose_sum(part[g]));
-            _mm512_store_ps(scores + g * stride_g + t0, d);
+            _mm512_store_ps(scores + g * stride_g + (t0 - t_lo), d);
             mx[g] = _mm512_max_ps(mx[g], d);
         }
     }
@@ -80,28 +88,28 @@ PD_INLINE void decode_head_body(const decode_call* call, int s, int hk, const in
         const __m512 m = _mm512_set1_ps(vf_hmax(mx[g]));
         float* p = scores + g * stride_g;
         __m512 sum = _mm512_setzero_ps();
-        for (int t0 = 0; t0 < len; t0 += 16) {
-            const __m512 e = vf_exp(_mm512_sub_ps(_mm512_load_ps(p + t0), m));
-            _mm512_store_ps(p + t0, e);
+        for (int t0 = t_lo; t0 < len; t0 += 16) {
+            const __m512 e = vf_exp(_mm512_sub_ps(_mm512_load_ps(p + (t0 - t_lo)), m));
+            _mm512_store_ps(p + (t0 - t_lo), e);
             sum = _mm512_add_ps(sum, e);
         }
         inv[g] = 1.f / vf_hsum(sum);
         for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
     }
-    for (int t0 = 0; t0 < len; t0 += 16) {
-        const int tn = len - t0 < 16 ? len - t0 : 16;
+    for (int t0 = t_lo; t0 < len; t0 += 16) {
+        const int tn = len - t0 < 16 ? len - t0 : 16, j0 = t0 == t_lo ? first - t_lo : 0;
         const int64_t tile = token_at(table, t0, block_size, blk_s, tok_s) + hk * head_s;
         const void* vb = elem_at(vc, tile, bf16);
         if (t0 + 16 < len) {
             const int64_t next = token_at(table, t0 + 16, block_size, blk_s, tok_s) + hk * head_s;
             prefetch_rows(elem_at(vc, next, bf16), tok_s * es, es * 16 * C);
         }
-        for (int j = 0; j < tn; j++) {
+        for (int j = j0; j < tn; j++) {
             const void* vp = elem_at(vb, (int64_t)j * tok_s, bf16);
             __m512 vv[MAX_C];
             for (int c = 0; c < C; c++) vv[c] = vf_load(vp, 16 * c, bf16);
             for (int g = 0; g < G; g++) {
-                const __m512 pg = _mm512_set1_ps(scores[g * stride_g + t0 + j]);
+                const __m512 pg = _mm512_set1_ps(scores[g * stride_g + (t0 - t_lo) + j]);
                 for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
             }
         }
@@ -123,6 +131,7 @@ PD_INLINE void decode_sequence_body(const decode_call* call, int s, const int G,
     const int64_t blk_s = call->blk_s, tok_s = call->tok_s, head_s = call->head_s;
     const int32_t* table = call->bt + (int64_t)s * call->bt_s;
     const int len = call->seq_lens[s], block_size = call->block_size;
+    const int first = first_token(call, len), t_lo = first & ~15;
     const int H = call->H, hkv = call->hkv;
     const int es = elem_size(bf16);
     float* qf = work;
@@ -136,9 +145,10 @@ PD_INLINE void decode_sequence_body(const decode_call* call, int s, const int G,
         _mm512_store_ps(mxf + h * 16, _mm512_set1_ps(-INFINITY));
     }
     const int row_bytes = es * 16 * C;
-    for (int t0 = 0; t0 < len; t0 += 16) {
+    const __mmask16 skip = (__mmask16)((1u << (first - t_lo)) - 1u); /* the first tile's */
+    for (int t0 = t_lo; t0 < len; t0 += 16) {
         const int tn = len - t0 < 16 ? len - t0 : 16;
-        const __mmask16 valid = (__mmask16)((1u << tn) - 1u);
+        const __mmask16 valid = (__mmask16)((1u << tn) - 1u) & ~(t0 == t_lo ? skip : 0);
         const void* kt = elem_at(kc, token_at(table, t0, block_size, blk_s, tok_s), bf16);
         if (t0 + 16 < len)
             prefetch_heads(elem_at(kc, token_at(table, t0 + 16, block_size, blk_s, tok_s), bf16),
@@ -159,7 +169,7 @@ PD_INLINE void decode_sequence_body(const decode_call* call, int s, const int G,
                 }
                 const __m512 d = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
                                                       vf_transpose_sum(part));
-                _mm512_store_ps(scores + h * stride_g + t0, d);
+                _mm512_store_ps(scores + h * stride_g + (t0 - t_lo), d);
                 _mm512_store_ps(mxf + h * 16, _mm512_max_ps(_mm512_load_ps(mxf + h * 16), d));
             }
         }
@@ -168,16 +178,16 @@ PD_INLINE void decode_sequence_body(const decode_call* call, int s, const int G,
         const __m512 m = _mm512_set1_ps(vf_hmax(_mm512_load_ps(mxf + h * 16)));
         float* p = scores + h * stride_g;
         __m512 sum = _mm512_setzero_ps();
-        for (int t0 = 0; t0 < len; t0 += 16) {
-            const __m512 e = vf_exp(_mm512_sub_ps(_mm512_load_ps(p + t0), m));
-            _mm512_store_ps(p + t0, e);
+        for (int t0 = t_lo; t0 < len; t0 += 16) {
+            const __m512 e = vf_exp(_mm512_sub_ps(_mm512_load_ps(p + (t0 - t_lo)), m));
+            _mm512_store_ps(p + (t0 - t_lo), e);
             sum = _mm512_add_ps(sum, e);
         }
         mxf[h * 16] = 1.f / vf_hsum(sum); /* the maxima are done with */
         for (int c = 0; c < C; c++) _mm512_store_ps(accf + (h * C + c) * 16, _mm512_setzero_ps());
     }
-    for (int t0 = 0; t0 < len; t0 += 16) {
-        const int tn = len - t0 < 16 ? len - t0 : 16;
+    for (int t0 = t_lo; t0 < len; t0 += 16) {
+        const int tn = len - t0 < 16 ? len - t0 : 16, j0 = t0 == t_lo ? first - t_lo : 0;
         const void* vt = elem_at(vc, token_at(table, t0, block_size, blk_s, tok_s), bf16);
         if (t0 + 16 < len)
             prefetch_heads(elem_at(vc, token_at(table, t0 + 16, block_size, blk_s, tok_s), bf16),
@@ -188,12 +198,13 @@ PD_INLINE void decode_sequence_body(const decode_call* call, int s, const int G,
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < C; c++)
                     acc[g][c] = _mm512_load_ps(accf + ((hk * G + g) * C + c) * 16);
-            for (int j = 0; j < tn; j++) {
+            for (int j = j0; j < tn; j++) {
                 const void* vp = elem_at(vb, (int64_t)j * tok_s, bf16);
                 __m512 vv[MAX_C];
                 for (int c = 0; c < C; c++) vv[c] = vf_load(vp, 16 * c, bf16);
                 for (int g = 0; g < G; g++) {
-                    const __m512 pg = _mm512_set1_ps(scores[(hk * G + g) * stride_g + t0 + j]);
+                    const float* p = scores + (hk * G + g) * stride_g + (t0 - t_lo);
+                    const __m512 pg = _mm512_set1_ps(p[j]);
                     for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);
                 }
             }

@@ -41,18 +41,21 @@ PD_API void pd_write_kv_bf16(const uint16_t* k, const uint16_t* v, int64_t k_ts,
                              int n, int hkv, int d, int block_size);
 
 /* q: [S, H, D] (strides q_ts, q_hs); bt: [S, max_blocks] int32 block tables (row stride
- * bt_s); seq_lens: [S] int32; out: [S, H, D] contiguous, a sequence of length 0 untouched. */
+ * bt_s); seq_lens: [S] int32; out: [S, H, D] contiguous, a sequence of length 0 untouched.
+ * window > 0: a sequence of length len attends its tokens max(0, len - window)..len - 1
+ * only, and reads no cache row before them; 0 attends the whole context. */
 PD_API void pd_decode_attention_f32(const float* q, int64_t q_ts, int64_t q_hs, const float* kc,
                                     const float* vc, int64_t blk_s, int64_t tok_s,
                                     int64_t head_s, const int32_t* bt, int64_t bt_s,
                                     const int32_t* seq_lens, int S, int H, int hkv, int D,
-                                    int block_size, float scale, float* out, int nthreads);
+                                    int block_size, int window, float scale, float* out,
+                                    int nthreads);
 PD_API void pd_decode_attention_bf16(const uint16_t* q, int64_t q_ts, int64_t q_hs,
                                      const uint16_t* kc, const uint16_t* vc, int64_t blk_s,
                                      int64_t tok_s, int64_t head_s, const int32_t* bt,
                                      int64_t bt_s, const int32_t* seq_lens, int S, int H,
-                                     int hkv, int D, int block_size, float scale, uint16_t* out,
-                                     int nthreads);
+                                     int hkv, int D, int block_size, int window, float scale,
+                                     uint16_t* out, int nthreads);
 
 /* ---- float32 GEMM (cpu_sgemm.c): variant avx2 ------------------------------------------ */
 

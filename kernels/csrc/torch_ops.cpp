@@ -60,21 +60,24 @@ void set_step(const at::Tensor& kv, const at::Tensor& slot_mapping,
 
 void clear_step() { step = StepContext(); }
 
-at::Tensor prefill_fallback(const at::Tensor& q, int64_t layer, double scale) {
+at::Tensor prefill_fallback(const at::Tensor& q, int64_t layer, double scale, int64_t window) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("pdserve::prefill_attention", "")
-                         .typed<at::Tensor(const at::Tensor&, int64_t, double)>();
-    return op.call(q, layer, scale);
+                         .typed<at::Tensor(const at::Tensor&, int64_t, double, int64_t)>();
+    return op.call(q, layer, scale, window);
 }
 
+// window > 0: a query at position p attends keys p - window < j <= p (0: the whole context).
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                     int64_t layer, double scale) {
+                     int64_t layer, double scale, int64_t window) {
     TORCH_CHECK(step.set, "bug: pdserve_cpu::attention ran outside a step (no set_step)");
     const at::Tensor& kv = step.kv;
     const auto dtype = kv.scalar_type();
     const int64_t n = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
     const int64_t hkv = key.size(1), block_size = kv.size(4);
     TORCH_CHECK(layer >= 0 && layer < kv.size(1), "pdserve_cpu: no layer ", layer);
+    TORCH_CHECK(window >= 0 && window <= INT32_MAX,
+                "pdserve_cpu: a window is 0 (none) or a token count, not ", window);
     TORCH_CHECK(step.slot_mapping.size(0) == n, "pdserve_cpu: the step has ",
                 step.slot_mapping.size(0), " tokens, attention got ", n);
     TORCH_CHECK(key.size(2) == head_dim && kv.size(5) == head_dim && kv.size(3) == hkv,
@@ -114,19 +117,21 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
             pd_decode_attention_f32(q.data_ptr<float>(), q.stride(0), q.stride(1), base + offset,
                                     base + v_offset, s_block, s_tok, s_head, tables, tables_s,
                                     lens, nd, num_heads, hkv, head_dim, block_size,
-                                    static_cast<float>(scale), out.data_ptr<float>(), threads);
+                                    static_cast<int>(window), static_cast<float>(scale),
+                                    out.data_ptr<float>(), threads);
         } else {
             const auto* base = reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>());
             pd_decode_attention_bf16(
                 reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0),
                 q.stride(1), base + offset, base + v_offset, s_block, s_tok, s_head, tables,
                 tables_s, lens, nd, num_heads, hkv, head_dim, block_size,
-                static_cast<float>(scale),
+                static_cast<int>(window), static_cast<float>(scale),
                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), threads);
         }
     }
     if (nd < n) {
-        out.narrow(0, nd, n - nd).copy_(prefill_fallback(query.narrow(0, nd, n - nd), layer, scale));
+        out.narrow(0, nd, n - nd)
+            .copy_(prefill_fallback(query.narrow(0, nd, n - nd), layer, scale, window));
     }
     return out.scalar_type() == query.scalar_type() ? out : out.to(query.scalar_type());
 }
@@ -186,7 +191,8 @@ TORCH_LIBRARY(pdserve_cpu, m) {
     m.def("set_step(Tensor kv, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
           "int num_decode) -> ()");
     m.def("clear_step() -> ()");
-    m.def("attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor");
+    m.def("attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
+          "int window) -> Tensor");
     m.def("linear(Tensor x, Tensor? onednn_weight, Tensor? kernel_weight, Tensor? bias, "
           "int out_features, int kernel_max_rows) -> Tensor");
 }

@@ -71,6 +71,11 @@ static inline vfloat vf_first_lanes(int n) {
         _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
+/* Lanes lo..hi-1 all ones, the others zero. */
+static inline vfloat vf_lanes(int lo, int hi) {
+    return _mm256_andnot_ps(vf_first_lanes(lo), vf_first_lanes(hi));
+}
+
 #include "vec_exp.h"
 
 #endif /* PD_VEC_AVX2_H */

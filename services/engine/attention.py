@@ -61,6 +61,7 @@ class PagedAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,  # > 0: a query at position p sees keys p - window < j <= p
     ) -> torch.Tensor:
         kern = self.kernels
         kern.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -76,10 +77,11 @@ class PagedAttention:
                     meta.decode_seq_lens,
                     scale,
                     max_seq_len=meta.decode_max_seq_len or None,
+                    window=window,
                 )
             )
         if nd < q.shape[0]:
-            parts.append(self.prefill(q[nd:], key_cache, value_cache, meta, scale))
+            parts.append(self.prefill(q[nd:], key_cache, value_cache, meta, scale, window))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def prefill(
@@ -89,6 +91,7 @@ class PagedAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         return self.kernels.paged_prefill_attention(
             q,
@@ -100,6 +103,7 @@ class PagedAttention:
             scale,
             max_query_len=meta.prefill_max_query_len,
             max_seq_len=meta.prefill_max_seq_len,
+            window=window,
         )
 
 

@@ -1,4 +1,5 @@
-"""The torch reference kernels against plain dense attention, on both KV block layouts."""
+"""The torch reference kernels against plain dense attention, on both KV block layouts, with
+and without a sliding window (whose out-of-window blocks are never read)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ import pytest
 import torch
 
 from pdserve.kernels import attention_ref as ref
+from tests.helpers.sliding_window import (
+    context,
+    dense_attention,
+    dense_paged,
+    first_needed,
+    poison_before,
+    windows,
+)
 
 BS, HKV, GROUP, D = 4, 2, 3, 8
 H = HKV * GROUP
@@ -23,17 +32,7 @@ def _caches(num_blocks: int, head_major: bool, gen: torch.Generator):
 
 def _dense(q, k, v, q_pos):
     """q: [Q, H, D] at positions q_pos; k, v: [T, HKV, D]. Causal softmax attention."""
-    k = k.repeat_interleave(GROUP, dim=1)
-    v = v.repeat_interleave(GROUP, dim=1)
-    scores = torch.einsum("qhd,thd->hqt", q, k) / math.sqrt(D)
-    t = torch.arange(k.shape[0])
-    scores = scores.masked_fill(t[None, None, :] > q_pos[None, :, None], float("-inf"))
-    return torch.einsum("hqt,thd->qhd", scores.softmax(-1), v)
-
-
-def _context(cache, table, n):
-    """The first n tokens of a sequence, read block by block: [n, HKV, D]."""
-    return torch.cat([cache[b] for b in table])[:n]
+    return dense_attention(q, k, v, q_pos, 1 / math.sqrt(D), 0)
 
 
 @pytest.mark.parametrize("head_major", [True, False])
@@ -54,7 +53,7 @@ def test_decode_and_prefill_match_dense_attention(head_major):
     q = torch.randn(len(seq_lens), H, D, generator=gen)
     out = ref.paged_decode_attention(q, kc, vc, bt, lens, 1 / math.sqrt(D))
     for i, n in enumerate(seq_lens):
-        k, v = _context(kc, tables[i], n), _context(vc, tables[i], n)
+        k, v = context(kc, tables[i], n), context(vc, tables[i], n)
         want = _dense(q[i : i + 1], k, v, torch.tensor([n - 1]))
         torch.testing.assert_close(out[i : i + 1], want, atol=1e-5, rtol=1e-5)
 
@@ -62,7 +61,7 @@ def test_decode_and_prefill_match_dense_attention(head_major):
     qp = torch.randn(sum(q_lens), H, D, generator=gen)
     out = ref.paged_prefill_attention(qp, kc, vc, bt, lens, qsl, 1 / math.sqrt(D))
     for i, (n, m) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        k, v = _context(kc, tables[i], n), _context(vc, tables[i], n)
+        k, v = context(kc, tables[i], n), context(vc, tables[i], n)
         want = _dense(qp[qsl[i] : qsl[i + 1]], k, v, torch.arange(n - m, n))
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], want, atol=1e-5, rtol=1e-5)
 
@@ -91,6 +90,71 @@ def test_prefill_reads_key_and_value_caches_of_different_layouts():
     out = ref.paged_prefill_attention(qp, kc, vc, bt, lens, qsl, 1 / math.sqrt(D))
     for i, (n, m) in enumerate(zip(seq_lens, q_lens, strict=True)):
         table = bt[i].tolist()
-        k, v = _context(kc, table, n), _context(vc, table, n)
+        k, v = context(kc, table, n), context(vc, table, n)
         want = _dense(qp[qsl[i] : qsl[i + 1]], k, v, torch.arange(n - m, n))
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], want, atol=1e-5, rtol=1e-5)
+
+
+def _window_batch(seq_lens, head_major, gen):
+    """Caches and disjoint shuffled block tables, padded with a spare block that no sequence
+    owns (so that it stays finite when a sequence's blocks are poisoned)."""
+    needed = [-(-n // BS) for n in seq_lens]
+    num_blocks = sum(needed) + 1
+    kc, vc = _caches(num_blocks, head_major, gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    spare, start, tables = perm.pop(), 0, []
+    for nb in needed:
+        tables.append(perm[start : start + nb] + [spare] * (max(needed) - nb))
+        start += nb
+    return kc, vc, tables
+
+
+WINDOWS = windows(BS)
+
+
+@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
+@pytest.mark.parametrize("head_major", [True, False])
+def test_decode_in_a_window_reads_none_of_the_blocks_before_it(head_major, window):
+    gen = torch.Generator().manual_seed(window)
+    seq_lens = [1, 6, 13, 30]
+    kc, vc, tables = _window_batch(seq_lens, head_major, gen)
+    q = torch.randn(len(seq_lens), H, D, generator=gen)
+    scale = 1 / math.sqrt(D)
+    want = dense_paged(q, kc, vc, tables, seq_lens, [1] * len(seq_lens), scale, window)
+    poisoned = poison_before((kc, vc), tables, first_needed(seq_lens, [1] * len(seq_lens), window))
+    assert poisoned or window > max(seq_lens)
+    bt, lens = torch.tensor(tables), torch.tensor(seq_lens, dtype=torch.int32)
+    got = ref.paged_decode_attention(q, kc, vc, bt, lens, scale, window=window)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
+@pytest.mark.parametrize("head_major", [True, False])
+def test_chunked_prefill_in_a_window_reads_none_of_the_blocks_before_it(head_major, window):
+    """Chunks from a sequence's start, from mid-sequence (an earlier chunk or a prefix-cache
+    hit) and of one token, several sequences of different lengths in one call."""
+    gen = torch.Generator().manual_seed(10 + window)
+    seq_lens, q_lens = [7, 30, 19, 12], [7, 4, 1, 9]
+    kc, vc, tables = _window_batch(seq_lens, head_major, gen)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), H, D, generator=gen)
+    scale = 1 / math.sqrt(D)
+    want = dense_paged(q, kc, vc, tables, seq_lens, q_lens, scale, window)
+    poisoned = poison_before((kc, vc), tables, first_needed(seq_lens, q_lens, window))
+    assert poisoned or window > max(seq_lens)
+    bt, lens = torch.tensor(tables), torch.tensor(seq_lens, dtype=torch.int32)
+    got = ref.paged_prefill_attention(q, kc, vc, bt, lens, qsl, scale, window=window)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefill_plan_is_for_one_window():
+    gen = torch.Generator().manual_seed(5)
+    kc, _, tables = _window_batch([9, 14], True, gen)
+    bt, lens = torch.tensor(tables), torch.tensor([9, 14])
+    qsl = torch.tensor([0, 9, 12])
+    plan = ref.PrefillPlan(12, kc, bt, lens, qsl, window=3)
+    assert plan.matches(12, bt, lens, qsl, None, None, 3)
+    assert not plan.matches(12, bt, lens, qsl, None, None, 0)
+    assert not plan.matches(12, bt, lens, qsl, None, None)

@@ -1,7 +1,8 @@
 """``pdserve_cpu::attention`` (the C++ op of a compiled CPU step) against the Python op it
 replaces: the same KV writes and the same attention output, for decode-only steps (the C
 kernel in place), mixed steps (the prefill rows through ``pdserve::prefill_attention``)
-and padded decode rows; and a clear error outside a step."""
+and padded decode rows, with and without a sliding window; and a clear error outside a
+step."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _step(decode_lens, prefill, gen):
     return meta
 
 
-def _both(meta, dtype, layer=1):
+def _both(meta, dtype, layer=1, window=0):
     gen = torch.Generator().manual_seed(7)
     kv = torch.randn(BLOCKS, LAYERS, 2, HKV, BS, D, generator=gen).to(dtype)
     caches = [(kv[:, i, 0].transpose(1, 2), kv[:, i, 1].transpose(1, 2)) for i in range(LAYERS)]
@@ -75,12 +76,13 @@ def _both(meta, dtype, layer=1):
     caches_py = [
         (kv_py[:, i, 0].transpose(1, 2), kv_py[:, i, 1].transpose(1, 2)) for i in range(LAYERS)
     ]
-    want = attn(q, k, v, *caches_py[layer], meta, scale)
+    want = attn(q, k, v, *caches_py[layer], meta, scale, window)
     with forward_context(ctx), ops.cpu_step(kv, meta):
-        got = torch.ops.pdserve_cpu.attention(q, k, v, layer, scale)
+        got = torch.ops.pdserve_cpu.attention(q, k, v, layer, scale, window)
     return got, want, kv, kv_py
 
 
+@pytest.mark.parametrize("window", [0, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "decode_lens, prefill",
@@ -91,9 +93,10 @@ def _both(meta, dtype, layer=1):
         ([], [(0, 30)]),  # prefill only
     ],
 )
-def test_the_cpp_op_matches_the_python_op(dtype, decode_lens, prefill):
+def test_the_cpp_op_matches_the_python_op(dtype, decode_lens, prefill, window):
+    """The window reaches the decode kernel and the prefill rows' Python op alike."""
     meta = _step(decode_lens, prefill, torch.Generator().manual_seed(len(decode_lens)))
-    got, want, kv, kv_py = _both(meta, dtype)
+    got, want, kv, kv_py = _both(meta, dtype, window=window)
     assert got.dtype == dtype
     assert torch.equal(kv, kv_py)  # the same slots written, nothing else
     assert torch.equal(got, want)
@@ -108,7 +111,7 @@ def test_outside_a_step_is_an_error():
     q = torch.zeros(1, HKV * GROUP, D)
     k = torch.zeros(1, HKV, D)
     with pytest.raises(RuntimeError, match="outside a step"):
-        torch.ops.pdserve_cpu.attention(q, k, k, 0, 1.0)
+        torch.ops.pdserve_cpu.attention(q, k, k, 0, 1.0, 0)
 
 
 def test_a_step_of_another_size_is_an_error():
@@ -117,4 +120,4 @@ def test_a_step_of_another_size_is_an_error():
     q = torch.zeros(3, HKV * GROUP, D)
     k = torch.zeros(3, HKV, D)
     with ops.cpu_step(kv, meta), pytest.raises(RuntimeError, match="the step has 2 tokens"):
-        torch.ops.pdserve_cpu.attention(q, k, k, 0, 1.0)
+        torch.ops.pdserve_cpu.attention(q, k, k, 0, 1.0, 0)

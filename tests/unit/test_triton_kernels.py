@@ -25,6 +25,12 @@ import pdserve.kernels  # noqa: E402
 from pdserve.kernels import attention_ref as ref  # noqa: E402
 from pdserve.kernels import triton_attention as tk  # noqa: E402
 from pdserve.kernels import triton_decode  # noqa: E402
+from tests.helpers.sliding_window import (  # noqa: E402
+    dense_paged,
+    first_needed,
+    poison_before,
+    windows,
+)
 
 _INTERPRETED = type(triton_decode._decode_split_kernel).__name__ == "InterpretedFunction"
 if _INTERPRETED:
@@ -255,6 +261,87 @@ def test_prefill_matches_reference(case: PrefillCase) -> None:
         scale,
     )
     _assert_matches(out, expected, case.dtype)
+
+
+def _window_batch(lens, block_size, num_kv_heads, head_dim, dtype, gen):
+    """Strided caches and disjoint shuffled tables, padded with a spare block that no sequence
+    owns (it stays finite when the rows before the windows are poisoned)."""
+    needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(needed) + 1
+    kc, vc = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    spare, start, tables = perm.pop(), 0, []
+    for nb in needed:
+        tables.append(perm[start : start + nb] + [spare] * (max(needed) - nb))
+        start += nb
+    return kc, vc, tables
+
+
+def _in_window(lens, q_lens, case, window, gen):
+    """Caches with NaN in every row before each sequence's window (the kernels start a token,
+    not a block, in), tables, packed queries, and the dense attention of the clean cache."""
+    kc, vc, tables = _window_batch(
+        lens, case.block_size, case.num_kv_heads, case.head_dim, case.dtype, gen
+    )
+    num_heads = case.group_size * case.num_kv_heads
+    query = _strided_query(sum(q_lens), num_heads, case.head_dim, case.dtype, gen)
+    scale = case.head_dim**-0.5
+    want = dense_paged(query, kc, vc, tables, lens, q_lens, scale, window)
+    poisoned = poison_before((kc, vc), tables, first_needed(lens, q_lens, window), rows=True)
+    assert poisoned or window > max(lens)
+    bt = torch.tensor(tables, dtype=case.index_dtype, device=DEVICE)
+    return kc, vc, bt, query, scale, want
+
+
+WINDOW_DECODE_CASES = {
+    "gqa4-bs16-d64-3-splits": DecodeCase((1, 20, 45, 130), 4, 2, 16, 64, num_splits=3),
+    "gqa8-bs16-d64-bf16": DecodeCase((77, 5, 190), 8, 1, 16, 64, torch.bfloat16),
+}
+
+
+def _with_windows(cases: dict) -> list:
+    """(case, window) for each case and each window of ``windows`` for its block size."""
+    return [
+        pytest.param(case, window, id=f"{name}-{label}")
+        for name, case in cases.items()
+        for label, window in windows(case.block_size).items()
+    ]
+
+
+@pytest.mark.parametrize(("case", "window"), _with_windows(WINDOW_DECODE_CASES))
+def test_decode_in_a_window_reads_none_of_the_blocks_before_it(case: DecodeCase, window) -> None:
+    gen = torch.Generator().manual_seed(window + case.group_size)
+    lens = list(case.seq_lens)
+    kc, vc, bt, query, scale, want = _in_window(lens, [1] * len(lens), case, window, gen)
+    seq_lens = torch.tensor(lens, dtype=case.index_dtype, device=DEVICE)
+    out = tk.paged_decode_attention(
+        query, kc, vc, bt, seq_lens, scale, max(lens), window, num_splits=case.num_splits
+    )
+    _assert_matches(out, want, case.dtype)
+
+
+WINDOW_PREFILL_CASES = {
+    "packed-prefix-gqa4-bs8-d64": PrefillCase((1, 17, 40), (0, 35, 100), 4, 2, 8, 64),
+    "packed-prefix-gqa8-bs32-d64-bf16": PrefillCase(
+        (11, 1), (90, 30), 8, 1, 32, 64, torch.bfloat16, index_dtype=torch.int64
+    ),
+    # 64-query tiles over 32-key tiles: a tile's later rows see nothing in its first key tile.
+    "packed-prefix-mha-bs16-d256": PrefillCase((70, 2), (60, 0), 1, 1, 16, 256),
+}
+
+
+@pytest.mark.parametrize(("case", "window"), _with_windows(WINDOW_PREFILL_CASES))
+def test_prefill_in_a_window_reads_none_of_the_blocks_before_it(case: PrefillCase, window) -> None:
+    gen = torch.Generator().manual_seed(window + sum(case.query_lens))
+    lens = [q + c for q, c in zip(case.query_lens, case.context_lens, strict=True)]
+    q_lens = list(case.query_lens)
+    kc, vc, bt, query, scale, want = _in_window(lens, q_lens, case, window, gen)
+    seq_lens = torch.tensor(lens, dtype=case.index_dtype, device=DEVICE)
+    query_start_loc = torch.tensor((0, *q_lens), device=DEVICE).cumsum(0).to(case.index_dtype)
+    out = tk.paged_prefill_attention(
+        query, kc, vc, bt, seq_lens, query_start_loc, scale, max(q_lens), max(lens), window
+    )
+    _assert_matches(out, want, case.dtype)
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        # Sliding-window attention: a query at position p sees keys p - window < j <= p
+        # (transformers' rule); 0 attends the whole context.
+        self.window = 0
         # True: the C++ pdserve_cpu::attention (the CPU kernels, step set by ops.cpu_step).
         self.cpp_op = False
         # q, k and v projections fused into one matmul.
@@ -90,8 +93,10 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this layer's K/V into the paged cache, attend: [N, H, D]."""
         if self.cpp_op:
-            return torch.ops.pdserve_cpu.attention(q, k, v, self.layer_index, self.scale)
-        return ops.paged_attention(q, k, v, self.layer_index, self.scale)
+            return torch.ops.pdserve_cpu.attention(
+                q, k, v, self.layer_index, self.scale, self.window
+            )
+        return ops.paged_attention(q, k, v, self.layer_index, self.scale, self.window)
 
 
 class MLP(nn.Module):

@@ -33,25 +33,31 @@ logger = logging.getLogger(__name__)
 
 _lib = torch.library.Library("pdserve", "DEF")
 _lib.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor"
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
+    "int window) -> Tensor"
 )
 _lib.define("cpu_linear(Tensor x, Tensor handle, int out_features) -> Tensor")
-_lib.define("prefill_attention(Tensor query, int layer, float scale) -> Tensor")
+_lib.define("prefill_attention(Tensor query, int layer, float scale, int window) -> Tensor")
 
 
 def _paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     ctx = get_forward_context()
     key_cache, value_cache = ctx.kv_caches[layer]
-    return ctx.attention(query, key, value, key_cache, value_cache, ctx.meta, scale)
+    return ctx.attention(query, key, value, key_cache, value_cache, ctx.meta, scale, window)
 
 
-def _prefill_attention(query: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _prefill_attention(query: torch.Tensor, layer: int, scale: float, window: int) -> torch.Tensor:
     """The step's prefill rows (their K/V already written) against the paged cache."""
     ctx = get_forward_context()
     key_cache, value_cache = ctx.kv_caches[layer]
-    return ctx.attention.prefill(query, key_cache, value_cache, ctx.meta, scale)
+    return ctx.attention.prefill(query, key_cache, value_cache, ctx.meta, scale, window)
 
 
 def _cpu_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -65,7 +71,7 @@ _lib.impl("prefill_attention", _prefill_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("pdserve::paged_attention")
-def _(query, key, value, layer, scale):
+def _(query, key, value, layer, scale, window):
     return torch.empty_like(query)
 
 
@@ -75,7 +81,7 @@ def _(x, handle, out_features):
 
 
 @torch.library.register_fake("pdserve::prefill_attention")
-def _(query, layer, scale):
+def _(query, layer, scale, window):
     return torch.empty_like(query)
 
 
@@ -101,7 +107,7 @@ def _register_cpp_fakes() -> None:
     """Shapes of the C++ ops' outputs, for tracing."""
 
     @torch.library.register_fake("pdserve_cpu::attention")
-    def _(query, key, value, layer, scale):
+    def _(query, key, value, layer, scale, window):
         return torch.empty_like(query)
 
     @torch.library.register_fake("pdserve_cpu::linear")
@@ -127,13 +133,19 @@ def cpu_step(kv: torch.Tensor, meta: AttentionMetadata) -> Iterator[None]:
 
 
 def paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Write layer ``layer``'s new K/V into the paged cache, then attend over it.
+    """Write layer ``layer``'s new K/V into the paged cache, then attend over it (with
+    ``window`` > 0, each query over its last ``window`` positions only).
 
     query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim].
     """
-    return torch.ops.pdserve.paged_attention(query, key, value, layer, scale)
+    return torch.ops.pdserve.paged_attention(query, key, value, layer, scale, window)
 
 
 def cpu_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
