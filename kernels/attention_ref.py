@@ -96,15 +96,21 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: in
 
 
 def _window_tables(
-    block_tables: torch.Tensor, first_pos: torch.Tensor, block_size: int, span: int
+    block_tables: torch.Tensor,
+    first_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    span: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``block_tables`` shifted to start at the block holding ``first_pos`` (the
     first position a sequence's window needs), ``span`` tokens of blocks wide, and the
     position of each row's first token: ([num_seqs, ceil(span / block_size)], [num_seqs]).
-    Columns past the table's width repeat its last one (they lie past every sequence's end)."""
+    Columns past a sequence's last block repeat that block (masked, as positions past its
+    end): a table's entries past a sequence's blocks are stale ids, never read."""
     first_block = torch.div(first_pos, block_size, rounding_mode="floor").long()
     cols = first_block[:, None] + torch.arange(-(-span // block_size), device=first_pos.device)
-    cols = cols.clamp(max=block_tables.shape[1] - 1)
+    last_block = torch.div(seq_lens.long() - 1, block_size, rounding_mode="floor").clamp(min=0)
+    cols = torch.minimum(cols, last_block[:, None]).clamp(max=block_tables.shape[1] - 1)
     return block_tables.gather(1, cols), first_block * block_size
 
 
@@ -135,7 +141,7 @@ def paged_decode_attention(
         # The first needed position, len - window, lies less than a block into its block.
         span = min(max_seq_len, window + key_cache.shape[1] - 1)
         first = (seq_lens - window).clamp(min=0)
-        tables, offset = _window_tables(block_tables, first, key_cache.shape[1], span)
+        tables, offset = _window_tables(block_tables, first, seq_lens, key_cache.shape[1], span)
     k = _gather_context(key_cache, tables, span)  # [S, Hkv, T, D]
     v = _gather_context(value_cache, tables, span)
     # GQA without repeating K/V: the query heads of a group form the rows of one matmul.
@@ -194,7 +200,7 @@ class PrefillPlan:
             block_size = key_cache.shape[1]
             span = min(max_seq_len, max_query_len + window + block_size - 2)
             first = (seq_lens - q_lens - window + 1).clamp(min=0)
-            tables, offset = _window_tables(block_tables, first, block_size, span)
+            tables, offset = _window_tables(block_tables, first, seq_lens, block_size, span)
             kv_pos = (offset[:, None] + torch.arange(span, device=device))[:, None, :]  # [S, 1, T]
         else:
             kv_pos = torch.arange(span, device=device)[None, None, :]
