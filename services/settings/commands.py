@@ -173,11 +173,20 @@ class StatusSettings:
 
 @dataclass(frozen=True)
 class PrepareModelSettings:
-    """`pdserve prepare-model`: the bundled GGUF to a safetensors checkpoint, once."""
+    """`pdserve prepare-model`: the bundled GGUF to a safetensors checkpoint, once; or a
+    local checkpoint of any served architecture, checked and copied."""
 
     GROUP: ClassVar[str] = "prepare-model"
 
     home: str | None = setting(None, "pdserve's cache directory (default: ~/.cache/pdserve)")
+    model: str | None = setting(
+        None,
+        "a local Hugging Face checkpoint directory to check and convert (safetensors or "
+        "pytorch_model*.bin); unset: the bundled default model",
+    )
+    output: str | None = setting(
+        None, "where --model's copy goes (default: <home>/models/<the directory's name>)"
+    )
     force: bool = setting(False, "convert again even if already prepared")
     quiet: bool = setting(False, "no progress display")
     log: LogSettings = setting(default_factory=quiet_log)

@@ -21,7 +21,8 @@ class EngineArgs:
 
     model: str | None = setting(
         None,
-        "checkpoint directory (Hugging Face Llama/Qwen2/Mistral layout); default: the "
+        "checkpoint directory (Hugging Face layout: Llama, Mistral, Qwen2/3, Gemma 3, Mixtral, "
+        "Qwen3-MoE); default: the "
         "prepared SmolLM2-135M-Instruct (see `pdserve prepare-model`)",
     )
     dtype: str = setting(

@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama and Qwen2 checkpoints built with transformers, for fast exact tests."""
+"""Tiny random-weight checkpoints of every served family, built with transformers, for fast
+exact tests."""
 
 from __future__ import annotations
 
@@ -9,13 +10,37 @@ import torch
 TINY_VOCAB = 512
 
 
+# The kinds build_tiny_checkpoint makes beyond "llama" and "qwen2", with what each tests.
+NEW_FAMILIES = ("qwen3", "gemma3", "mixtral", "qwen3_moe")
+# Gemma 3's window in the tiny checkpoint: shorter than most test prompts.
+TINY_WINDOW = 24
+
+
 def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    """Write a tiny ``kind`` ("llama" or "qwen2") checkpoint with spread-out logits.
+    """Write a tiny ``kind`` checkpoint with spread-out logits: "llama", "qwen2" (2 layers),
+    or one of NEW_FAMILIES (3 layers, head_dim apart from hidden / heads):
+
+    - "qwen3": q/k norms;
+    - "gemma3": sliding, full, sliding layers with a window of TINY_WINDOW, a rope base
+      per layer type, GeGLU, (1 + w) sandwich norms, a scaled embedding, soft-capped logits;
+    - "mixtral": 4 experts, 2 chosen;
+    - "qwen3_moe": 6 experts, 3 chosen and renormalised, the middle layer a dense MLP;
+    - "mistral": every layer sliding over a window of TINY_WINDOW (blocks leave it).
 
     Weights are drawn wider than the usual init so that next-token logits are
-    well separated (random init at std 0.02 makes near-ties everywhere).
+    well separated (random init at std 0.02 makes near-ties everywhere); norm weights are
+    random too, so that each norm matters.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -39,10 +64,48 @@ def build_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
         config = Qwen2Config(
             **common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}
         )
+    elif kind in NEW_FAMILIES or kind == "mistral":
+        wide = {**common, "num_hidden_layers": 3, "head_dim": 16}
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if kind == "qwen3":
+            config = Qwen3Config(**wide, rope_parameters=rope)
+        elif kind == "gemma3":
+            config = Gemma3TextConfig(
+                **wide,
+                sliding_window=TINY_WINDOW,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                query_pre_attn_scalar=16,
+                final_logit_softcapping=30.0,
+                pad_token_id=0,
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                },
+            )
+        elif kind == "mixtral":
+            config = MixtralConfig(
+                **wide, num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope
+            )
+        elif kind == "qwen3_moe":
+            config = Qwen3MoeConfig(
+                **wide,
+                num_experts=6,
+                num_experts_per_tok=3,
+                norm_topk_prob=True,
+                moe_intermediate_size=32,
+                mlp_only_layers=[1],
+                rope_parameters=rope,
+            )
+        else:
+            config = MistralConfig(**wide, sliding_window=TINY_WINDOW, rope_parameters=rope)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norm weights that differ from their init
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0 if kind == "gemma3" else 1.0, 0.3)
     if kind == "qwen2":
         with torch.no_grad():  # make the q/k/v biases matter
             for layer in model.model.layers:

@@ -224,3 +224,45 @@ def test_converted_model_answers_greedily_in_fp32(converted):
         tokenizer.decode(new_tokens, skip_special_tokens=True) == "The capital of France is Paris."
     )
     assert new_tokens[-1].item() == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3"])
+def test_a_local_checkpoint_of_a_new_family_is_checked_and_converted(kind, tmp_path, capsys):
+    """--model DIR: a checkpoint saved as PyTorch's pytorch_model.bin becomes a safetensors
+    copy that serves what the source does; the summary's parameter count is transformers'."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.testing.tiny_models import build_tiny_checkpoint
+
+    source = build_tiny_checkpoint(kind, tmp_path / "source")
+    prompt = list(range(3, 60))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def tokens(path: Path) -> list[int]:
+        llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+        return llm.generate([prompt], greedy)[0].token_ids
+
+    want = tokens(source)
+    params = AutoModelForCausalLM.from_pretrained(source).num_parameters()
+    weights = load_file(source / "model.safetensors")
+    torch.save(weights, source / "pytorch_model.bin")
+    (source / "model.safetensors").unlink()
+    out = tmp_path / "home" / "models" / "copy"
+    assert pm.main(["--model", str(source), "--output", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip() == str(out)
+    assert f"parameters: {params:,}" in printed.err
+    assert model.is_prepared(out) and (out / "model.safetensors").is_file()
+    assert load_file(out / "model.safetensors").keys() == weights.keys()
+    assert tokens(out) == want
+
+
+def test_an_unsupported_local_checkpoint_is_refused_naming_the_list(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    assert pm.main(["--model", str(tmp_path), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "GPT2LMHeadModel" in err and "Qwen3MoeForCausalLM" in err and "Gemma3" in err
+    assert not (tmp_path / "out").exists()

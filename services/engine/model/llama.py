@@ -1,4 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2) over a paged KV cache.
+"""The decoder of every served family over a paged KV cache: Llama, Mistral and SmolLM,
+Qwen2 and Qwen3, Gemma 3 (text), and the mixtures of experts Mixtral and Qwen3-MoE.
+
+One Llama-shaped layer with what the others add, read from ``ModelConfig``: per-head
+RMSNorm of q and k (Qwen3, Gemma 3), a per-layer attention window (Mistral, Gemma 3's
+sliding layers), Gemma 3's (1 + w) norms around attention and MLP, GeGLU, scaled embedding,
+rotary tables per layer type and soft-capped logits, and a routed expert MLP
+(``pdserve.engine.model.moe``).
 
 Numerics follow Hugging Face transformers (RMSNorm in float32, rotary tables in
 float32 cast to the model dtype) so that float32 greedy output matches it. Attention is
@@ -15,6 +22,7 @@ from torch import nn
 
 from pdserve.core.model import ModelConfig
 from pdserve.engine.model import ops
+from pdserve.engine.model.moe import SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +36,40 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight stored as an offset from 1, applied in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(cfg: ModelConfig, size: int) -> nn.Module:
+    return (GemmaRMSNorm if cfg.gemma_norms else RMSNorm)(size, cfg.rms_norm_eps)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    """The gated MLP's activation by its transformers name."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"activation {name!r} is not supported; pdserve has {sorted(_ACTIVATIONS)}"
+        ) from None
 
 
 class Rotary(nn.Module):
@@ -66,10 +108,13 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         # Sliding-window attention: a query at position p sees keys p - window < j <= p
         # (transformers' rule); 0 attends the whole context.
-        self.window = 0
+        self.window = cfg.layer_windows[layer_index] if cfg.layer_windows else 0
+        # Qwen3 and Gemma 3 normalise each head of q and k before the rotation.
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         # True: the C++ pdserve_cpu::attention (the CPU kernels, step set by ops.cpu_step).
         self.cpp_op = False
         # q, k and v projections fused into one matmul.
@@ -87,6 +132,8 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         return q, k, v
 
@@ -103,21 +150,29 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.act = activation(cfg.hidden_act)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, layer_index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        routed = bool(cfg.moe_layers) and cfg.moe_layers[layer_index]
+        self.mlp = SparseMoE(cfg) if routed else MLP(cfg)
+        # Gemma 3 normalises the attention's and the MLP's outputs too ("sandwich" norms);
+        # its post_attention_layernorm is then the attention output's.
+        self.sandwich = cfg.gemma_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         # Whether torch.compile compiles the code around attention once for all layers
         # (nested compile regions); inductor's C++ wrapper cannot call such regions.
         self.shared_regions = True
@@ -134,7 +189,11 @@ class DecoderLayer(nn.Module):
 
     def _after_attention(self, x, attn):
         n = x.shape[0]
-        x = x + self.self_attn.o_proj(attn.reshape(n, self.self_attn.q_size))
+        out = self.self_attn.o_proj(attn.reshape(n, self.self_attn.q_size))
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(out)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + out
         return x + self.mlp(self.post_attention_layernorm(x))
 
     # The same code in every layer (the layer index only reaches the attention op between
@@ -144,18 +203,38 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids and positions of a flat batch in, hidden states out; logits on request."""
+    """Token ids and positions of a flat batch in, hidden states out; logits on request.
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
+    ``rotary`` serves the full-attention layers, ``local_rotary`` (Gemma 3) the sliding
+    ones; without it every layer takes ``rotary``."""
+
+    def __init__(
+        self, cfg: ModelConfig, rotary: Rotary, local_rotary: Rotary | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
+        self.local_rotary = local_rotary
+        # Gemma 3 scales the embedding by sqrt(hidden) rounded to the model's dtype, as
+        # transformers does; set by the loader, which knows the dtype.
+        self.embed_scale: float | None = None
+        # Whether every layer runs the same code around attention (then compiled once for
+        # all, see DecoderLayer.shared_regions): not where some layers route over experts
+        # and others do not, nor with a rotary table per layer type.
+        moe = set(cfg.moe_layers or (False,))
+        self.uniform_layers = len(moe) == 1 and local_rotary is None
+
+    def rotary_of(self, layer: int) -> Rotary:
+        """The rotary tables of ``layer``: Gemma 3's sliding layers have their own."""
+        if self.local_rotary is not None and self.cfg.layer_windows[layer]:
+            return self.local_rotary
+        return self.rotary
 
     def forward(
         self,
@@ -164,10 +243,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[N] token ids at [N] positions -> [N, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions, self.rotary)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary_of(i))
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, hidden] -> [M, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """[M, hidden] -> [M, vocab] float32 (soft-capped where the model says)."""
+        logits = self.lm_head(hidden)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

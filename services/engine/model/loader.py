@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 from pathlib import Path
 
@@ -24,10 +25,16 @@ _FUSED = {
 }
 
 
-def rope_tables(cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> Rotary:
+def rope_tables(
+    cfg: ModelConfig, max_positions: int, dtype: torch.dtype, layer_type: str | None = None
+) -> Rotary:
     """Rotary tables: plain rope from config.json, any other type by transformers' own init
     functions, so that every rope type matches it (importing transformers costs a second
-    or more of a worker's start, so the plain case does without)."""
+    or more of a worker's start, so the plain case does without). ``layer_type``
+    ("full_attention", "sliding_attention"): the tables of that layer type, for a model
+    with rope parameters per type (Gemma 3)."""
+    if layer_type is not None:
+        return _layer_type_rope(cfg, max_positions, dtype, layer_type)
     theta = _plain_rope_theta(Path(cfg.path))
     if theta is None:
         from transformers import AutoConfig
@@ -45,6 +52,41 @@ def rope_tables(cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> Rot
     d = cfg.head_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
     return Rotary(inv_freq, 1.0, max_positions, dtype)
+
+
+def _layer_type_rope(
+    cfg: ModelConfig, max_positions: int, dtype: torch.dtype, layer_type: str
+) -> Rotary:
+    """Gemma 3's tables of one layer type, by transformers' reading of the config (which
+    turns its older keys, rope_local_base_freq and rope_scaling, into per-type
+    parameters)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = AutoConfig.from_pretrained(cfg.path)
+    hf = getattr(hf, "text_config", None) or hf
+    params = (getattr(hf, "rope_parameters", None) or {}).get(layer_type) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError(f"{cfg.path}: dynamic NTK rope scaling is not supported")
+    if rope_type != "default":
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+            hf, torch.device("cpu"), layer_type=layer_type
+        )
+        return Rotary(inv_freq, scaling, max_positions, dtype)
+    d = cfg.head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    return Rotary(inv_freq, 1.0, max_positions, dtype)
+
+
+def _rotaries(
+    cfg: ModelConfig, max_positions: int, dtype: torch.dtype
+) -> tuple[Rotary, Rotary | None]:
+    """The model's tables, and those of its sliding layers where they differ (Gemma 3)."""
+    if cfg.family != "gemma3":
+        return rope_tables(cfg, max_positions, dtype), None
+    full = rope_tables(cfg, max_positions, dtype, "full_attention")
+    return full, rope_tables(cfg, max_positions, dtype, "sliding_attention")
 
 
 def _plain_rope_theta(path: Path) -> float | None:
@@ -80,6 +122,19 @@ def _no_init(module: nn.Module) -> None:
     pass
 
 
+def build_on_meta(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+    """The model's modules with no storage (the meta device): its shapes, for describing a
+    checkpoint without reading its weights."""
+    placeholder, local_placeholder = _rotaries(cfg, 1, dtype)
+    with torch.device("meta"), _without_random_init():
+        return LlamaForCausalLM(cfg, placeholder, local_placeholder).to(dtype)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of ``model``, a tied one counted once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def load_model(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -90,25 +145,37 @@ def load_model(
     # Built on the meta device without the modules' random init, and with a placeholder
     # table made outside it: random init and torch.arange on the meta device run through
     # torch._refs, whose import of dynamo costs seconds of an eager worker's start.
-    placeholder = rope_tables(cfg, 1, dtype)
-    with torch.device("meta"), _without_random_init():
-        model = LlamaForCausalLM(cfg, placeholder)
+    model = build_on_meta(cfg, dtype)
     # Storage for every tensor, uninitialised (no float32 copy on the way). torch.empty,
     # not to_empty's empty_like, whose meta-tensor path imports sympy.
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if cfg.tie_word_embeddings:  # _apply makes a parameter per use: tie again
         model.lm_head.weight = model.embed_tokens.weight
     # Built after _apply, which would wipe its buffers.
-    model.rotary = rope_tables(cfg, max_positions, dtype).to(device)
+    rotary, local_rotary = _rotaries(cfg, max_positions, dtype)
+    model.rotary = rotary.to(device)
+    model.local_rotary = local_rotary.to(device) if local_rotary is not None else None
+    if cfg.embed_scale is not None:  # rounded to the dtype, as transformers' buffer is
+        model.embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype))
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
     files = sorted(Path(cfg.path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{cfg.path}: no *.safetensors weight files")
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not iterable)
+                expert = _map_expert(name)
+                if expert is not None:
+                    target, index, part = expert
+                    _copy_expert(params, target, index, part, st.get_tensor(name), cfg)
+                    got = expert_parts.setdefault(target, set())
+                    got.add((index, part))
+                    if index < 0 or len(got) == _expert_slices(target, cfg):
+                        loaded.add(target)
+                    continue
                 target, part, all_parts = _map_name(name)
                 if target is None:
                     continue
@@ -131,12 +198,85 @@ def load_model(
     return model
 
 
+# Prefixes of a multimodal checkpoint's text model (Gemma 3), in transformers 5 and 4 naming.
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+# Parts of a multimodal checkpoint that a text model does not load.
+_NOT_TEXT = ("vision_tower", "multi_modal_projector", "vision_model", "visual.")
+
+# An expert's weights in the checkpoint: Mixtral's w1 (gate), w3 (up), w2 (down), and
+# Qwen3-MoE's gate_proj, up_proj, down_proj, or both stacked over all experts as
+# transformers 5 holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+_EXPERT = re.compile(
+    r"^layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\."
+    r"(?:(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$"
+)
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}
+
+
+def _strip(name: str) -> str:
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name.removeprefix("model.")
+
+
+def _map_expert(name: str) -> tuple[str, int, str] | None:
+    """An expert weight's (our stacked parameter, expert index or -1 for all, part: "gate",
+    "up", "down", "gate_up"); None for any other weight."""
+    m = _EXPERT.match(_strip(name))
+    if m is None:
+        return None
+    layer, index, part, stacked = m.groups()
+    if stacked:
+        target = "w13" if stacked == "gate_up_proj" else "w2"
+        return f"layers.{layer}.mlp.{target}", -1, stacked
+    kind = _EXPERT_PART.get(part, "down")
+    target = "w2" if kind == "down" else "w13"
+    return f"layers.{layer}.mlp.{target}", int(index), kind
+
+
+def _expert_slices(target: str, cfg: ModelConfig) -> int:
+    """How many pieces fill ``target``: one per expert for w2, two (gate, up) for w13."""
+    return cfg.num_experts * (2 if target.endswith("w13") else 1)
+
+
+def _copy_expert(
+    params: dict[str, torch.nn.Parameter],
+    target: str,
+    index: int,
+    part: str,
+    tensor: torch.Tensor,
+    cfg: ModelConfig,
+) -> None:
+    p = params.get(target)
+    if p is None:
+        raise ValueError(f"unexpected expert weight for {target!r} in checkpoint")
+    inter = cfg.moe_intermediate_size
+    if index < 0:  # all experts at once: counts as every slice
+        dst = p
+    elif part == "gate":
+        dst = p[index, :inter]
+    elif part == "up":
+        dst = p[index, inter:]
+    else:
+        dst = p[index]
+    if dst.shape != tensor.shape:
+        raise ValueError(
+            f"expert weight {target}[{index}] {part}: checkpoint shape {tuple(tensor.shape)} "
+            f"!= model {tuple(dst.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(tensor)
+
+
 def _map_name(name: str) -> tuple[str | None, str | None, tuple[str, ...]]:
     """HF weight name -> (our parameter, its fused part or None, all parts); target None to skip."""
-    if name.startswith("model."):
-        name = name[len("model.") :]
+    if any(part in name for part in _NOT_TEXT):
+        return None, None, ()
+    name = _strip(name)
     if "rotary_emb" in name:
         return None, None, ()
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
     for fused, parts in _FUSED.items():
         for part in parts:
             if f".{part}." in name:
