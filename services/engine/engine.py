@@ -63,6 +63,7 @@ class LLMEngine:
             block_size=args.block_size,
             model_fingerprint=cfg.fingerprint,
             enable_prefix_caching=args.enable_prefix_caching,
+            window=cfg.release_window,
         )
         spec_config = SpeculativeConfig.parse(args.speculative_config)
         self.spec = None

@@ -1,4 +1,13 @@
-"""Per-sequence block allocation over a BlockPool, with prefix-cache lookups."""
+"""Per-sequence block allocation over a BlockPool, with prefix-cache lookups.
+
+For a model whose every layer attends over a sliding window (``window``: the widest of
+them), a sequence's blocks that have left the window are released as it goes: a block
+whose last position lies before the first key the next query can see is given back
+(``num_released_blocks`` leading entries of the block table). The table keeps their ids so
+that positions still map to table entries; the attention kernels never read below the
+window, so a released block reused by another sequence is never seen through this one.
+Prefill-only sequences keep theirs: a prefill worker exports the whole prompt.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +31,10 @@ class KVCacheManager:
         block_size: int,
         model_fingerprint: bytes,
         enable_prefix_caching: bool = True,
+        window: int = 0,
     ) -> None:
         self.pool = pool
+        self.window = window  # 0: some layer sees the whole context, every block stays
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.enable_prefix_caching = enable_prefix_caching
@@ -69,6 +80,7 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply them.
         """
         computed_blocks = computed_blocks or []
+        self.release_out_of_window(seq)
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         need = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = need - len(seq.block_table) - len(computed_blocks)
@@ -83,6 +95,24 @@ class KVCacheManager:
         if num_new_blocks > 0:
             seq.block_table.extend(self.pool.allocate(num_new_blocks))
         return True
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Give back the blocks of ``seq`` that its next query (at ``num_computed_tokens``)
+        and every later one cannot see; how many this call released."""
+        if not self.window or seq.prefill_only or not seq.num_computed_tokens:
+            return 0
+        first_seen = seq.num_computed_tokens - self.window + 1
+        upto = min(max(first_seen, 0) // self.block_size, len(seq.block_table))
+        done = seq.num_released_blocks
+        if upto <= done:
+            return 0
+        self.pool.free(seq.block_table[done:upto])
+        seq.num_released_blocks = upto
+        return upto - done
+
+    def blocks_held(self, seq: Sequence) -> int:
+        """Blocks ``seq`` holds now (its table less those released)."""
+        return len(seq.block_table) - seq.num_released_blocks
 
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past those ``seq``'s tokens need (their slots held rejected
@@ -146,6 +176,7 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so that its prefix stays cached longest."""
-        self.pool.free(reversed(seq.block_table))
+        self.pool.free(reversed(seq.block_table[seq.num_released_blocks :]))
         seq.block_table = []
+        seq.num_released_blocks = 0
         self._num_cached_blocks.pop(seq.request_id, None)

@@ -69,6 +69,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Leading block table entries given back, out of every layer's window (KVCacheManager).
+    num_released_blocks: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None

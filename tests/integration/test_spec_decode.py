@@ -23,36 +23,11 @@ from pdserve.engine.sampler import filtered_probs
 from pdserve.kv.hashing import hash_block
 from pdserve.testing.reference import generate_like_references, hf_greedy, random_prompts
 from pdserve.testing.tiny_models import TINY_VOCAB
+from tests.helpers.speculation import ReferenceProposer
 
 MAX_NEW = 48
 LENGTHS = [1, 3, 15, 16, 17, 40, 100, 160]
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
-
-
-class ReferenceProposer:
-    """Proposes transformers' greedy continuation of each prompt; every ``wrong_every``-th
-    proposal has one wrong token (at a rotating position), and requests of the prompts in
-    ``silent`` propose nothing (they decode beside the others without speculating)."""
-
-    def __init__(self, refs, wrong_every: int = 3, silent: frozenset[int] = frozenset()):
-        self.refs = [(r.prompt, r.tokens) for r in refs]
-        self.wrong_every = wrong_every
-        self.silent = silent
-        self.calls = 0
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        for i, (prompt, answer) in enumerate(self.refs):
-            if len(token_ids) > len(prompt) and token_ids[: len(prompt)] == prompt:
-                if i in self.silent:
-                    return []
-                done = len(token_ids) - len(prompt)
-                drafts = list(answer[done : done + k])
-                self.calls += 1
-                if drafts and self.calls % self.wrong_every == 0:
-                    j = self.calls % len(drafts)
-                    drafts[j] = (drafts[j] + 1) % TINY_VOCAB
-                return drafts
-        return []
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
