@@ -134,8 +134,31 @@ def test_the_expert_op_adds_in_transformers_order():
             expected = hf(x, ids, weights)
         got = torch.ops.pdserve.moe_experts(x, ids, weights, w13, w2, 0)
         assert torch.equal(got, expected), dtype
-        moe.expert_path = "loop"  # the benchmark's baseline computes the same
         try:
-            assert torch.equal(torch.ops.pdserve.moe_experts(x, ids, weights, w13, w2, 0), got)
+            for path in ("loop", "grouped_mm"):  # the benchmark's others compute the same
+                moe.expert_path = path
+                again = torch.ops.pdserve.moe_experts(x, ids, weights, w13, w2, 0)
+                assert torch.equal(again, got), (path, dtype)
         finally:
             moe.expert_path = "grouped"
+
+
+def test_workers_of_other_windows_have_other_layouts(tmp_path):
+    """The block layout header carries the model fingerprint, which hashes config.json: two
+    copies of one checkpoint that differ only in their window refuse each other's blocks."""
+    from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout
+
+    a = _copy("Qwen3-8B", tmp_path / "a")
+    b = _copy("Qwen3-8B", tmp_path / "b")
+    raw = json.loads((b / "config.json").read_text())
+    raw.update(use_sliding_window=True, sliding_window=4096, max_window_layers=30)
+    (b / "config.json").write_text(json.dumps(raw))
+    layouts = []
+    for path in (a, b):
+        cfg = ModelConfig.from_dir(path)
+        layouts.append(
+            BlockLayout(LAYOUT_VERSION, cfg.fingerprint, "bfloat16", 16, 36, 8, cfg.head_dim)
+        )
+    assert ModelConfig.from_dir(b).layer_windows == (0,) * 30 + (4096,) * 6
+    (difference,) = layouts[0].differences(layouts[1], "ours", "theirs")
+    assert difference.startswith("model_fingerprint:")

@@ -40,10 +40,12 @@ ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 counters: Counter[str] = Counter()
 
 
-# How the op computes: "grouped" (the default, above), "loop" (transformers' way: for each
-# expert chosen, a mask over all (token, choice) pairs to find its rows), or "dense" (every
-# expert over every token). The benchmark switches it; the results are the same.
-EXPERT_PATHS = ("grouped", "loop", "dense")
+# How the op computes: "grouped" (the default, above), "grouped_mm" (the same rows, each
+# projection of every expert in one call of torch's grouped GEMM), "loop" (transformers'
+# way: for each expert chosen, a mask over all (token, choice) pairs to find its rows), or
+# "dense" (every expert over every token). The benchmark switches it; the results are the
+# same, bit for bit but for "dense".
+EXPERT_PATHS = ("grouped", "grouped_mm", "loop", "dense")
 expert_path = "grouped"
 
 
@@ -67,6 +69,8 @@ def _moe_experts(
     out = torch.zeros_like(x)
     if n == 0:
         return out
+    if expert_path == "grouped_mm":
+        return _moe_experts_grouped_mm(x, topk_ids, topk_weights, w13, w2, act)
     inter = w2.shape[2]
     # (choice, token) pairs, choice-major: a stable sort by expert then orders each expert's
     # rows by choice, then token, as transformers' expert loop does (in bfloat16 a row's
@@ -104,6 +108,28 @@ _lib.impl("moe_experts", _moe_experts, "CompositeExplicitAutograd")
 @torch.library.register_fake("pdserve::moe_experts")
 def _(x, topk_ids, topk_weights, w13, w2, act):
     return torch.empty_like(x)
+
+
+def _moe_experts_grouped_mm(x, topk_ids, topk_weights, w13, w2, act) -> torch.Tensor:
+    """The grouped path with each projection of all experts in one ``torch._grouped_mm``
+    (a private torch API; on the CPU it measured no faster: bench/engine/moe_step.py)."""
+    n, inter = topk_ids.shape[0], w2.shape[2]
+    flat = topk_ids.t().reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    tokens = order % n
+    gate_up = torch._grouped_mm(x.index_select(0, tokens), w13.transpose(1, 2), offs=ends)
+    hidden = _act(gate_up[:, :inter], act) * gate_up[:, inter:]
+    y = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends)
+    y = (y * topk_weights.t().reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for count in counts.tolist():
+        if count:
+            out.index_add_(0, tokens[start : start + count], y[start : start + count])
+            start += count
+    return out
 
 
 def _moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act) -> torch.Tensor:
