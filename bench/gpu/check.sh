@@ -7,7 +7,9 @@
 #
 #   tiny     the Triton kernels against the torch reference and their timings
 #            (bench/gpu/triton_attention.py); the kernel unit tests; the engine's fp32
-#            exactness tests on the tiny Llama/Qwen2 with CUDA graphs on and off; decode
+#            exactness tests on the tiny Llama/Qwen2 with CUDA graphs on and off, and on
+#            the tiny Qwen3, Gemma 3 (sliding windows), Mixtral, Qwen3-MoE and all-sliding
+#            Mistral in every engine mode (graphs where the model takes them); decode
 #            TPOT with CUDA graphs against eager on SmolLM2-135M's architecture with
 #            random weights (bench/gpu/cuda_graphs.py).
 #   smollm2  the SmolLM2 exactness tests (fp32, graphs on and off) and TPOT on the real
@@ -72,6 +74,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 if [[ $PHASE == tiny || $PHASE == all ]]; then
     step exactness-tiny 180 $PY -m pytest "${tests[@]}" tests/integration/test_exactness_tiny.py \
         tests/integration/test_decode_padding.py
+    step exactness-families 240 $PY -m pytest "${tests[@]}" \
+        tests/integration/test_exactness_families.py
     step tpot-random 120 $PY -m bench.gpu.cuda_graphs --skip-tests --model random-smollm2 \
         --out "$OUT"
     [[ -f $OUT/cuda_graphs.json ]] && mv "$OUT/cuda_graphs.json" "$OUT/cuda_graphs_random.json"
