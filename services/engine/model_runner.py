@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 ROPE_POSITIONS = 16384
 # Attention backends whose kernels a CUDA graph can capture (no reads back to the host).
 GRAPH_BACKENDS = ("triton",)
+# Models one process may compile (dynamo's recompile limit of one code object).
+MAX_COMPILED_ENGINES = 256
 # Prompt positions whose logits are computed at once for prompt logprobs ([rows, vocab]).
 PROMPT_LOGPROB_ROWS = 256
 
@@ -169,6 +171,12 @@ class ModelRunner:
     def _compile_for_cpu(self):
         """The model compiled by inductor for any token count >= 2, compiled now (cached on
         disk, see ``pdserve.engine``, so a second start only retraces)."""
+        # Each engine's model is compiled on its own (dynamo guards on the module), and all
+        # are entries of one code object, LlamaForCausalLM.forward: past dynamo's limit of
+        # 8 a process's next engine would fail to compile (fullgraph). Engines of a process
+        # (tests, an application's LLM objects) are fewer than this; a worker has one.
+        limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_ENGINES)
+        torch._dynamo.config.recompile_limit = limit
         # The wrapper and the kernels built apart: the wrapper (30 layers of calls) at -O1.
         options = (
             {"cpp_wrapper": True, "cpp_wrapper_build_separate": True} if self.cpp_ops else None
