@@ -130,7 +130,6 @@ class ModelConfig:
     attention_bias: bool  # biases on q, k and v
     o_proj_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
     checkpoint_dtype: str  # "float32", "bfloat16", ...
     eos_token_ids: frozenset[int]
     fingerprint: bytes
@@ -154,8 +153,10 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read ``path/config.json`` (and ``generation_config.json`` for EOS ids)."""
+    def from_dir(cls, path: str | Path, fingerprint: bool = True) -> ModelConfig:
+        """Read ``path/config.json`` (and ``generation_config.json`` for EOS ids).
+        ``fingerprint=False`` leaves the fingerprint empty rather than hashing every weight
+        (for reading a config without serving it)."""
         path = Path(path)
         raw = json.loads((path / "config.json").read_text())
         archs = raw.get("architectures") or []
@@ -202,10 +203,9 @@ class ModelConfig:
             attention_bias=biased_qkv or bool(raw.get("attention_bias", False)),
             o_proj_bias=not biased_qkv and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=max(windows, default=0) or None,
             checkpoint_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=_eos_ids(path, raw),
-            fingerprint=model_fingerprint(path),
+            fingerprint=model_fingerprint(path) if fingerprint else b"",
             family=family,
             layer_windows=windows,
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),

@@ -91,7 +91,11 @@ def _weight_files(source: Path) -> list[Path]:
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".bin":
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # Mapped, not read: the check reads only the shapes (a pre-1.6 file cannot be).
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            return torch.load(path, map_location="cpu", weights_only=True)
     from safetensors.torch import load_file
 
     return load_file(path)
@@ -106,12 +110,11 @@ def check_weights(cfg: ModelConfig, names_shapes: dict[str, tuple[int, ...]]) ->
     """ValueError naming what a model of ``cfg`` lacks or cannot take among these weights."""
     model = build_on_meta(cfg)
     needed = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    got: dict[str, int] = {}
+    got: set[str] = set()
     for name, shape in names_shapes.items():
         expert = _map_expert(name)
         if expert is not None:
-            target = expert[0]
-            got[target] = got.get(target, 0) + (cfg.num_experts * 2 if expert[1] < 0 else 1)
+            got.add(expert[0])
             continue
         target, part, _ = _map_name(name)
         if target is None:
@@ -122,7 +125,7 @@ def check_weights(cfg: ModelConfig, names_shapes: dict[str, tuple[int, ...]]) ->
             raise ValueError(f"weight {name!r} has no place in a {cfg.architecture} model")
         if part is None and needed[target] != shape:
             raise ValueError(f"weight {name}: shape {shape}, the model takes {needed[target]}")
-        got[target] = got.get(target, 0) + 1
+        got.add(target)
     missing = sorted(n for n in needed if n not in got)
     if missing:
         raise ValueError(f"the checkpoint lacks weights for {missing[:8]}")
@@ -146,7 +149,9 @@ def convert_local(source: Path, target: Path, force: bool = False) -> ModelSumma
     """Check ``source`` and write the copy at ``target`` (refused where a prepared one is,
     unless ``force``). ValueError for an unsupported or broken checkpoint."""
     source, target = Path(source).resolve(), Path(target)
-    cfg = ModelConfig.from_dir(source)  # refuses an unsupported architecture, naming the list
+    # Refuses an unsupported architecture, naming the list; the copy gets the fingerprint
+    # (hashing the source's weights too would read them once more, and write beside them).
+    cfg = ModelConfig.from_dir(source, fingerprint=False)
     files = _weight_files(source)
     check_weights(cfg, _names_shapes(files))
     if target.resolve() == source:

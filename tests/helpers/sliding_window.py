@@ -19,6 +19,22 @@ def windows(block_size: int) -> dict[str, int]:
     }
 
 
+def disjoint_tables(
+    seq_lens: list[int], block_size: int, gen: torch.Generator
+) -> tuple[int, list[list[int]]]:
+    """Blocks for a batch, and each sequence's block table: disjoint shuffled blocks, each
+    row padded with one spare block that no sequence owns (it stays finite when the blocks
+    before the windows are poisoned). Returns (number of blocks, tables)."""
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 1
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    spare, start, tables = perm.pop(), 0, []
+    for nb in needed:
+        tables.append(perm[start : start + nb] + [spare] * (max(needed) - nb))
+        start += nb
+    return num_blocks, tables
+
+
 def first_needed(seq_lens: list[int], q_lens: list[int], window: int) -> list[int]:
     """The first position each sequence's chunk attends: its first query's, less window - 1."""
     return [max(0, n - m - window + 1) for n, m in zip(seq_lens, q_lens, strict=True)]

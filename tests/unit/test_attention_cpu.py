@@ -15,7 +15,13 @@ import torch
 from pdserve.kernels import attention_cpu as cpu
 from pdserve.kernels import attention_ref as ref
 from pdserve.kernels.cpu_build import variants_here
-from tests.helpers.sliding_window import dense_paged, first_needed, poison_before, windows
+from tests.helpers.sliding_window import (
+    dense_paged,
+    disjoint_tables,
+    first_needed,
+    poison_before,
+    windows,
+)
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
 
@@ -176,16 +182,9 @@ def test_prefill_plans_once_per_step_and_anew_for_the_next():
 
 
 def _window_batch(lens, block_size, hkv, d, dtype, gen):
-    """Head-major caches and disjoint shuffled tables, padded with a spare block no sequence
-    owns (it stays finite when the blocks before the windows are poisoned)."""
-    needed = [-(-n // block_size) for n in lens]
-    num_blocks = sum(needed) + 1
+    """Head-major caches and ``disjoint_tables``."""
+    num_blocks, tables = disjoint_tables(lens, block_size, gen)
     kc, vc = _caches(num_blocks, block_size, hkv, d, dtype, True, gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    spare, start, tables = perm.pop(), 0, []
-    for nb in needed:
-        tables.append(perm[start : start + nb] + [spare] * (max(needed) - nb))
-        start += nb
     return kc, vc, tables
 
 

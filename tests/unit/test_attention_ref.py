@@ -13,6 +13,7 @@ from tests.helpers.sliding_window import (
     context,
     dense_attention,
     dense_paged,
+    disjoint_tables,
     first_needed,
     poison_before,
     windows,
@@ -96,16 +97,9 @@ def test_prefill_reads_key_and_value_caches_of_different_layouts():
 
 
 def _window_batch(seq_lens, head_major, gen):
-    """Caches and disjoint shuffled block tables, padded with a spare block that no sequence
-    owns (so that it stays finite when a sequence's blocks are poisoned)."""
-    needed = [-(-n // BS) for n in seq_lens]
-    num_blocks = sum(needed) + 1
+    """Caches and ``disjoint_tables``."""
+    num_blocks, tables = disjoint_tables(seq_lens, BS, gen)
     kc, vc = _caches(num_blocks, head_major, gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    spare, start, tables = perm.pop(), 0, []
-    for nb in needed:
-        tables.append(perm[start : start + nb] + [spare] * (max(needed) - nb))
-        start += nb
     return kc, vc, tables
 
 

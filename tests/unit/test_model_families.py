@@ -26,7 +26,8 @@ def _copy(name: str, tmp_path: Path) -> Path:
 
 def _transformers_figures(path: Path) -> tuple[int, float, list[str]]:
     """transformers' parameter count, KV bytes per token (from its cache after a 3-token
-    forward on the meta device) and layer types, for the text model of ``path``."""
+    forward on the meta device) and window of each layer, for the text model of
+    ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
     hf = AutoConfig.from_pretrained(path)
@@ -40,8 +41,9 @@ def _transformers_figures(path: Path) -> tuple[int, float, list[str]]:
     kv = sum(
         t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
     )
-    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-    return params, kv / 3, types
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    window = getattr(text, "sliding_window", None) or 0
+    return params, kv / 3, tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 @pytest.mark.parametrize("name", REAL)
@@ -49,11 +51,10 @@ def test_real_shaped_configs_match_transformers(name, tmp_path):
     path = _copy(name, tmp_path)
     cfg = ModelConfig.from_dir(path)
     summary = describe(cfg)
-    params, kv_per_token, types = _transformers_figures(path)
+    params, kv_per_token, windows = _transformers_figures(path)
     assert summary.parameters == params
     assert summary.kv_bytes_per_token == kv_per_token
-    window = cfg.sliding_window or 0
-    assert cfg.layer_windows == tuple(window if t == "sliding_attention" else 0 for t in types)
+    assert cfg.layer_windows == windows
     # What the names promise, so that the check above is not of two equal mistakes.
     billions = {"Qwen3-8B": 8.19, "gemma-3-12b-it": 11.77, "Mixtral": 46.70, "Qwen3-30B": 30.53}
     assert round(params / 1e9, 2) == next(v for k, v in billions.items() if name.startswith(k))

@@ -27,6 +27,7 @@ from pdserve.kernels import triton_attention as tk  # noqa: E402
 from pdserve.kernels import triton_decode  # noqa: E402
 from tests.helpers.sliding_window import (  # noqa: E402
     dense_paged,
+    disjoint_tables,
     first_needed,
     poison_before,
     windows,
@@ -264,16 +265,9 @@ def test_prefill_matches_reference(case: PrefillCase) -> None:
 
 
 def _window_batch(lens, block_size, num_kv_heads, head_dim, dtype, gen):
-    """Strided caches and disjoint shuffled tables, padded with a spare block that no sequence
-    owns (it stays finite when the rows before the windows are poisoned)."""
-    needed = [-(-n // block_size) for n in lens]
-    num_blocks = sum(needed) + 1
+    """Strided caches and ``disjoint_tables``."""
+    num_blocks, tables = disjoint_tables(lens, block_size, gen)
     kc, vc = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, gen)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    spare, start, tables = perm.pop(), 0, []
-    for nb in needed:
-        tables.append(perm[start : start + nb] + [spare] * (max(needed) - nb))
-        start += nb
     return kc, vc, tables
 
 

@@ -53,6 +53,30 @@ def _act(x: torch.Tensor, act: int) -> torch.Tensor:
     return F.silu(x) if act == 0 else F.gelu(x, approximate="tanh")
 
 
+def _expert_mlp(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: int) -> torch.Tensor:
+    """One expert's gated MLP over its rows (w13: [2 * inter, hidden], gate then up)."""
+    inter = w2.shape[1]
+    gate_up = F.linear(rows, w13)
+    return F.linear(_act(gate_up[:, :inter], act) * gate_up[:, inter:], w2)
+
+
+def _by_expert(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (choice, token) pairs grouped by expert: each pair's token and weight, and the
+    pairs per expert ([E]).
+
+    The pairs are taken choice-major, so a stable sort by expert orders each expert's rows
+    by choice, then token, as transformers' expert loop does (in bfloat16 a row's result
+    can depend on its place in the GEMM), and a token's experts come in ascending order, the
+    order in which it adds them."""
+    n = topk_ids.shape[0]
+    flat = topk_ids.t().reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    weights = topk_weights.t().reshape(-1).index_select(0, order)
+    return order % n, weights, torch.bincount(flat, minlength=num_experts)
+
+
 def _moe_experts(
     x: torch.Tensor,  # [N, hidden]
     topk_ids: torch.Tensor,  # [N, k] int64
@@ -69,34 +93,25 @@ def _moe_experts(
     out = torch.zeros_like(x)
     if n == 0:
         return out
-    if expert_path == "grouped_mm":
-        return _moe_experts_grouped_mm(x, topk_ids, topk_weights, w13, w2, act)
-    inter = w2.shape[2]
-    # (choice, token) pairs, choice-major: a stable sort by expert then orders each expert's
-    # rows by choice, then token, as transformers' expert loop does (in bfloat16 a row's
-    # result can depend on its place in the GEMM), and a token's experts come in ascending
-    # order, the order in which it adds them.
-    flat = topk_ids.t().reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    tokens = order % n
+    tokens, weights, counts = _by_expert(topk_ids, topk_weights, w13.shape[0])
     rows = x.index_select(0, tokens)
-    weights = topk_weights.t().reshape(-1).index_select(0, order)
+    grouped = _grouped_mm_mlp(rows, counts, w13, w2, act) if expert_path == "grouped_mm" else None
+    counts = counts.tolist()
     start = 0
-    calls = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        part = rows[start : start + count]
-        gate_up = F.linear(part, w13[expert])
-        hidden = _act(gate_up[:, :inter], act) * gate_up[:, inter:]
-        y = F.linear(hidden, w2[expert]) * weights[start : start + count, None]
+        part = slice(start, start + count)
+        if grouped is None:
+            y = _expert_mlp(rows[part], w13[expert], w2[expert], act)
+        else:
+            y = grouped[part]
+        out_rows = y * weights[part, None]
         # One add per expert, as transformers does: a single index_add_ over all rows
         # would sum a token's rows in float32 before rounding to bfloat16.
-        out.index_add_(0, tokens[start : start + count], y.to(x.dtype))
+        out.index_add_(0, tokens[part], out_rows.to(x.dtype))
         start += count
-        calls += 1
-    counters["calls"] += calls
+    counters["calls"] += sum(1 for count in counts if count)
     counters["rows"] += n * k
     counters["steps"] += 1
     return out
@@ -110,40 +125,26 @@ def _(x, topk_ids, topk_weights, w13, w2, act):
     return torch.empty_like(x)
 
 
-def _moe_experts_grouped_mm(x, topk_ids, topk_weights, w13, w2, act) -> torch.Tensor:
-    """The grouped path with each projection of all experts in one ``torch._grouped_mm``
-    (a private torch API; on the CPU it measured no faster: bench/engine/moe_step.py)."""
-    n, inter = topk_ids.shape[0], w2.shape[2]
-    flat = topk_ids.t().reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0])
+def _grouped_mm_mlp(rows, counts, w13, w2, act) -> torch.Tensor:
+    """Every expert's gated MLP over its contiguous rows, each projection of all experts in
+    one ``torch._grouped_mm`` (a private torch API; on the CPU it measured no faster:
+    bench/engine/moe_step.py)."""
+    inter = w2.shape[2]
     ends = torch.cumsum(counts, 0).to(torch.int32)
-    tokens = order % n
-    gate_up = torch._grouped_mm(x.index_select(0, tokens), w13.transpose(1, 2), offs=ends)
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=ends)
     hidden = _act(gate_up[:, :inter], act) * gate_up[:, inter:]
-    y = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends)
-    y = (y * topk_weights.t().reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
-    out = torch.zeros_like(x)
-    start = 0
-    for count in counts.tolist():
-        if count:
-            out.index_add_(0, tokens[start : start + count], y[start : start + count])
-            start += count
-    return out
+    return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends)
 
 
 def _moe_experts_loop(x, topk_ids, topk_weights, w13, w2, act) -> torch.Tensor:
     """transformers' expert loop: a one-hot mask of every (token, choice) pair, searched
     once per expert that was chosen."""
-    num_experts, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros_like(x)
-    mask = F.one_hot(topk_ids, num_classes=num_experts).permute(2, 1, 0)  # [E, k, N]
+    mask = F.one_hot(topk_ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # [E, k, N]
     for expert in (mask.sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist():
         choice, token = torch.where(mask[expert])
-        gate_up = F.linear(x[token], w13[expert])
-        hidden = _act(gate_up[:, :inter], act) * gate_up[:, inter:]
-        y = F.linear(hidden, w2[expert]) * topk_weights[token, choice, None]
-        out.index_add_(0, token, y.to(x.dtype))
+        y = _expert_mlp(x[token], w13[expert], w2[expert], act)
+        out.index_add_(0, token, (y * topk_weights[token, choice, None]).to(x.dtype))
     return out
 
 
@@ -157,14 +158,13 @@ def moe_experts_dense(
 ) -> torch.Tensor:
     """Every expert over every token, weighted by the routing (zero where not chosen): what
     a model without routing would compute. The benchmark's baseline, and a test oracle."""
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    num_experts = w13.shape[0]
     dense = torch.zeros(x.shape[0], num_experts, dtype=topk_weights.dtype, device=x.device)
     dense.scatter_(1, topk_ids, topk_weights)
     out = torch.zeros_like(x)
     for expert in range(num_experts):
-        gate_up = F.linear(x, w13[expert])
-        hidden = _act(gate_up[:, :inter], act) * gate_up[:, inter:]
-        out += (F.linear(hidden, w2[expert]) * dense[:, expert, None]).to(x.dtype)
+        y = _expert_mlp(x, w13[expert], w2[expert], act)
+        out += (y * dense[:, expert, None]).to(x.dtype)
     return out
 
 
