@@ -1,6 +1,6 @@
 """Bad input on both fronts of a real gateway (over a decode worker, tiny model): malformed,
 wrong types, out of range, oversized, huge lists, unknown model, wrong key. Each gets a 4xx
-in OpenAI's shape (REST) or the matching status (gRPC) within a second, and the gateway
+in OpenAI's shape (REST) or the matching status (gRPC) before a deadline, and the gateway
 serves a good request right after."""
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ MODEL = "tiny"
 KEY = "sekret-key"
 MAX_MODEL_LEN = 128
 MAX_BODY = 256 * 1024
-ANSWER_S = 1.0  # every refusal comes within this (a deadline, not a benchmark)
+# Every refusal comes within this: a deadline that catches a hang, not a benchmark. An
+# oversized gRPC message is refused in 0.1-0.8 s on an idle 2-core machine (one second
+# failed once in CI under the whole suite's load).
+ANSWER_S = 10.0
 
 LIMITS = [
     "--max-body-bytes",
