@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
+import weakref
 
 import torch
 
@@ -21,6 +23,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.structured_output import GrammarCompiler
+from pdserve.engine.tensor_parallel import Followers, FollowerSpec, check_divisible
 from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.sizes import parse_size
@@ -44,17 +47,41 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_dir(model_path)
         self.dtype = resolve_dtype(args, cfg, self.device)
         self.max_model_len = cfg.max_model_len(args.max_model_len)
+        tp = args.tensor_parallel_size
+        if tp > 1:
+            check_divisible(cfg, tp)
         block_bytes = ModelRunner.block_bytes(cfg, args.block_size, self.dtype)
-        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // block_bytes
+        # --kv-cache-memory is each rank's: a rank holds 1/tp of every block.
+        rank_block_bytes = block_bytes // tp
+        num_blocks = args.num_kv_blocks or parse_size(args.kv_cache_memory) // rank_block_bytes
         if num_blocks * args.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens "
                 f"({num_blocks * args.block_size} tokens), fewer than --max-model-len "
                 f"{self.max_model_len}: raise --kv-cache-memory or lower --max-model-len"
             )
-        self.runner = ModelRunner(
-            args, cfg, self.dtype, self.device, self.max_model_len, num_blocks
-        )
+        # Tensor parallel: ranks 1..tp-1 start now and load beside this one (rank 0).
+        self.followers: Followers | None = None
+        group = None
+        if tp > 1:
+            spec = FollowerSpec(
+                args=dataclasses.asdict(args),
+                model_path=str(model_path),
+                dtype=str(self.dtype).removeprefix("torch."),
+                device=str(self.device),
+                max_model_len=self.max_model_len,
+                num_blocks=num_blocks,
+            )
+            self.followers = Followers(tp, spec, self.device)
+            group = self.followers.group
+            self._finalizer = weakref.finalize(self, self.followers.stop, True)
+        try:
+            self.runner = ModelRunner(
+                args, cfg, self.dtype, self.device, self.max_model_len, num_blocks, group
+            )
+        except BaseException:
+            self.close(graceful=False)
+            raise
         self.block_bytes = block_bytes
         self.pool = BlockPool(num_blocks)
         self.pool.record_events = False  # on at the first drain_block_events()
@@ -183,6 +210,27 @@ class LLMEngine:
             if t or s.finish_reason is FinishReason.ERROR
         ]
         return StepOutput(advanced, finished)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing for one rank): told to
+        stop (``graceful``, from the thread that steps the engine, between steps), or
+        killed. The engine cannot step after it."""
+        if self.followers is None or not self._finalizer.alive:
+            return
+        if graceful:
+            self._finalizer()
+        else:
+            self._finalizer.detach()
+            self.followers.stop(False)
+
+    def lost_rank(self) -> str | None:
+        """Why a tensor-parallel rank is gone (safe from any thread); None while all run."""
+        return self.followers.lost() if self.followers is not None else None
+
+    def rank_imports(self) -> dict[int, tuple[int, int]]:
+        """Blocks and bytes each rank has imported into its own KV cache (its head range of
+        each block), by rank, as each rank counted them."""
+        return dict(self.runner.rank_imports)
 
     def stats(self) -> EngineStats:
         spec = self.spec.stats if self.spec is not None else SpecDecodeStats()
@@ -328,7 +376,7 @@ class LLMEngine:
             blocks.append((fetched[tail_key(request_id)], None))
             covered = n
         try:
-            imported = self.kv_cache.import_blocks(seq, blocks, self.runner.write_block)
+            imported = self.kv_cache.import_blocks(seq, blocks, self.runner.write_blocks)
         except BaseException:
             self.kv_cache.free(seq)
             raise

@@ -148,11 +148,11 @@ class KVCacheManager:
         self,
         seq: Sequence,
         blocks: list[tuple[bytes, BlockHash | None]],
-        write: Callable[[int, bytes], None],
+        write: Callable[[list[tuple[int, bytes]]], None],
     ) -> bool:
         """Append blocks whose KV another engine computed to ``seq``'s table: each gets a free
-        block, filled by ``write(block_id, data)``; one with a hash joins the prefix cache
-        (a prompt's partial tail has none and comes last).
+        block, all filled by one ``write([(block_id, data), ...])``; one with a hash joins
+        the prefix cache (a prompt's partial tail has none and comes last).
 
         Returns False, changing nothing, when the pool has too few free blocks; a failing
         ``write`` frees what this call took and raises.
@@ -161,8 +161,7 @@ class KVCacheManager:
             return False
         new = self.pool.allocate(len(blocks))
         try:
-            for block_id, (data, _) in zip(new, blocks, strict=True):
-                write(block_id, data)
+            write([(block_id, data) for block_id, (data, _) in zip(new, blocks, strict=True)])
         except BaseException:
             self.pool.free(new)
             raise

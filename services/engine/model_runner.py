@@ -12,6 +12,11 @@ The one place that decides how a step executes:
 
 Step inputs live in persistent buffers (``StepInputs``); the KV cache is one tensor whose
 blocks hold all layers together, so that a block exports as one buffer.
+
+Tensor parallel (``group``): every rank has a runner over its shard of the weights and of
+the KV heads. Rank 0's ``execute`` sends each step's inputs to the others, which run the
+same forward and logits (``follow``); it alone samples. Blocks are read and written whole
+on rank 0, each rank's KV-head range sent to it and gathered from it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import ctypes
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -38,6 +44,7 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import default_rule
 from pdserve.engine.step_inputs import PreparedStep, StepInputs
 from pdserve.engine.structured_output import step_bitmask
+from pdserve.engine.tensor_parallel import RankGroup, Shard
 from pdserve.kernels import sample_cpu
 from pdserve.settings.engine import EngineArgs
 
@@ -76,8 +83,15 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         num_blocks: int,
+        group: RankGroup | None = None,
     ) -> None:
         self.cfg = model_config
+        self.group = group
+        self.shard = group.shard() if group is not None else Shard()
+        # This rank's KV heads: [start, end) of the model's.
+        self.kv_heads = self.shard.range(model_config.num_kv_heads)
+        # Per rank (rank 0 keeps all): blocks and bytes each imported into its own cache.
+        self.rank_imports: dict[int, tuple[int, int]] = {}
         self.dtype = dtype
         self.device = device
         self.block_size = args.block_size
@@ -86,7 +100,7 @@ class ModelRunner:
         # --max-model-len says: the compiled graph, and its cache entry, are then the same
         # for every engine of a model and dtype.
         rope = max(max_model_len, min(model_config.max_model_len(None), ROPE_POSITIONS))
-        self.model = load_model(model_config, dtype, device, rope)
+        self.model = load_model(model_config, dtype, device, rope, self.shard)
         # The C++ CPU ops take the packed linears and the C attention kernels.
         self.cpp_ops = (
             device.type == "cpu"
@@ -113,7 +127,7 @@ class ModelRunner:
             num_blocks,
             model_config.num_layers,
             2,
-            model_config.num_kv_heads,
+            self.kv_heads[1] - self.kv_heads[0],
             self.block_size,
             model_config.head_dim,
             dtype=dtype,
@@ -194,25 +208,96 @@ class ModelRunner:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of blocks' KV on the CPU, one block per row: [n, layers, 2, kv_heads,
-        block_size, head_dim] (each row is a block's export buffer)."""
+        block_size, head_dim] (each row is a block's export buffer), every KV head of the
+        model's (a tensor-parallel runner gathers the other ranks' heads)."""
+        local = self._read_local(block_ids)
+        if self.group is None:
+            return local
+        self.group.broadcast_object(("read", block_ids))
+        parts = [local]
+        for rank in range(1, self.shard.size):
+            parts.append(self.group.recv(torch.empty_like(local), rank))
+        return torch.cat(parts, dim=3)
+
+    def _read_local(self, block_ids: list[int]) -> torch.Tensor:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         return self.kv.index_select(0, index).cpu()
 
-    def write_block(self, block_id: int, data: bytes | memoryview) -> None:
-        """Fill a block from a buffer made by ``read_blocks`` on a worker with the same layout."""
-        dst = self.kv[block_id].view(torch.uint8)
-        if len(data) != dst.numel():
-            raise ValueError(
-                f"block data has {len(data)} bytes, this worker's blocks have {dst.numel()}"
-            )
-        with warnings.catch_warnings():  # read-only use of an immutable buffer
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(data, dtype=torch.uint8)
-        dst.copy_(src.view(dst.shape))
+    def write_blocks(self, blocks: list[tuple[int, bytes | memoryview]]) -> None:
+        """Fill blocks from buffers made by ``read_blocks`` on a worker with the same layout
+        (all KV heads): (block id, bytes) each. A tensor-parallel runner sends each rank
+        its heads only."""
+        if not blocks:
+            return
+        full = self.kv.shape[:1] + (self.cfg.num_layers, 2, self.cfg.num_kv_heads)
+        block_shape = full[1:] + self.kv.shape[4:]
+        numel = 1
+        for d in block_shape:
+            numel *= d
+        want = numel * self.kv.element_size()
+        rows = []
+        for _, data in blocks:
+            if len(data) != want:
+                raise ValueError(
+                    f"block data has {len(data)} bytes, this worker's blocks have {want}"
+                )
+            with warnings.catch_warnings():  # read-only use of an immutable buffer
+                warnings.simplefilter("ignore", UserWarning)
+                rows.append(torch.frombuffer(data, dtype=self.kv.dtype).view(block_shape))
+        data = torch.stack(rows)  # [n, layers, 2, kv_heads, block_size, head_dim]
+        ids = [block_id for block_id, _ in blocks]
+        if self.group is not None:
+            self.group.broadcast_object(("write", ids))
+            for rank in range(1, self.shard.size):
+                start, end = Shard(rank, self.shard.size).range(self.cfg.num_kv_heads)
+                self.group.send(data[:, :, :, start:end], rank)
+            for rank in range(1, self.shard.size):
+                self.rank_imports[rank] = tuple(
+                    self.group.recv(torch.zeros(2, dtype=torch.int64), rank).tolist()
+                )
+        start, end = self.kv_heads
+        self._write_local(ids, data[:, :, :, start:end])
+
+    def _write_local(self, ids: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        self.kv.index_copy_(0, index, data.to(self.device))
+        blocks, nbytes = self.rank_imports.get(self.shard.rank, (0, 0))
+        self.rank_imports[self.shard.rank] = (
+            blocks + len(ids),
+            nbytes + data.numel() * data.element_size(),
+        )
+
+    # --- a tensor-parallel follower (ranks 1..N-1) -------------------------------------
+
+    def follow(self, command: tuple) -> None:
+        """Run one of rank 0's commands (``pdserve.engine.tensor_parallel.follow``)."""
+        kind = command[0]
+        if kind == "step":
+            self._follow_step(command[1])
+        elif kind == "read":
+            self.group.send(self._read_local(command[1]), 0)
+        elif kind == "write":
+            ids = command[1]
+            shape = (len(ids), *self.kv.shape[1:])
+            data = self.group.recv(torch.empty(shape, dtype=self.kv.dtype), 0)
+            self._write_local(ids, data)
+            self.group.send(torch.tensor(self.rank_imports[self.shard.rank]), 0)
+        else:
+            raise RuntimeError(f"bug: unknown tensor-parallel command {kind!r}")
+
+    @torch.inference_mode()
+    def _follow_step(self, message: tuple[dict, int]) -> None:
+        snapshot, bucket = message
+        step = self.inputs.restore(snapshot)
+        with self._step_context(step.meta):
+            hidden = self._run(step, bucket)
+            _, prompt = self._logits(hidden, step)
+            for _ in prompt:
+                pass
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one KV block (all layers, K and V)."""
+        """Bytes of one KV block (all layers, K and V, every KV head)."""
         return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
 
     @torch.inference_mode()
@@ -220,10 +305,12 @@ class ModelRunner:
         """Run one step over ``batch``; its samples, index-aligned with ``batch.seqs``."""
         bucket = self._decode_bucket(batch)
         step = self.inputs.prepare(batch.seqs, batch.num_new_tokens, bucket, batch.draft_token_ids)
+        if self.group is not None:
+            self.group.broadcast_object(("step", (self.inputs.snapshot(step), bucket)))
         with self._step_context(step.meta):
             hidden = self._run(step, bucket)
-            logits = self.model.compute_logits(hidden[step.logit_rows])
-            prompt_logprobs = self._prompt_logprobs(batch, step, hidden)
+            logits, prompt_logits = self._logits(hidden, step)
+            prompt_logprobs = self._prompt_logprobs(batch, step, prompt_logits)
         order = step.sample_order
         seqs = [batch.seqs[i] for i in order]
         # A speculating sequence's rows draw its next tokens in turn (a seeded draw is
@@ -254,21 +341,35 @@ class ModelRunner:
                 del token_logprobs[i][len(token_ids[i]) :]
         return ModelRunnerOutput(token_ids, token_logprobs, row_errors, prompt_logprobs)
 
+    def _logits(
+        self, hidden: torch.Tensor, step: PreparedStep
+    ) -> tuple[torch.Tensor, Iterator[torch.Tensor]]:
+        """The sampled rows' logits, and those of the prompt-logprob rows in slices, each
+        computed when taken (a row of logits is the vocabulary's size). Every rank of a
+        tensor-parallel model computes the same, in the same order."""
+        logits = self.model.compute_logits(hidden[step.logit_rows])
+        prompt = (
+            self.model.compute_logits(
+                hidden[first + at : first + min(count, at + PROMPT_LOGPROB_ROWS)]
+            )
+            for _, first, _, count in step.prompt_rows
+            for at in range(0, count, PROMPT_LOGPROB_ROWS)
+        )
+        return logits, prompt
+
     def _prompt_logprobs(
-        self, batch: ScheduledBatch, step: PreparedStep, hidden: torch.Tensor
+        self, batch: ScheduledBatch, step: PreparedStep, prompt_logits: Iterator[torch.Tensor]
     ) -> dict[int, list[TokenLogprobs]] | None:
         """The prompt logprobs of the step's rows that give them, by batch index."""
         if not step.prompt_rows:
             return None
         out: dict[int, list[TokenLogprobs]] = {}
-        for i, first, position, count in step.prompt_rows:
+        for i, _, position, count in step.prompt_rows:
             seq = batch.seqs[i]
             lps: list[TokenLogprobs] = []
-            # In slices: a row of logits is the vocabulary's size.
             for at in range(0, count, PROMPT_LOGPROB_ROWS):
                 n = min(PROMPT_LOGPROB_ROWS, count - at)
-                rows = hidden[first + at : first + at + n]
-                raw = self.model.compute_logits(rows).float()
+                raw = next(prompt_logits).float()
                 p = position + at
                 nxt = seq.prompt_token_ids[p + 1 : p + 1 + n]
                 top = [seq.params.prompt_logprobs] * n

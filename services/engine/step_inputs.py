@@ -35,6 +35,9 @@ class PreparedStep:
     # Rows whose logits give prompt logprobs: (batch index, first row, its position, rows),
     # each row the position before a prompt token that request has no logprob of yet.
     prompt_rows: tuple[tuple[int, int, int, int], ...] = ()
+    # (tokens, decode rows, real decode rows, prefill sequences, sampled rows, longest
+    # prefill query, longest prefill context): what ``StepInputs.snapshot`` sends.
+    counts: tuple[int, ...] = ()
 
 
 class StepInputs:
@@ -143,8 +146,18 @@ class StepInputs:
                 sampled.append((row - 1, i))
         rows = npy["logit_rows"]
         rows[: len(sampled)] = [r for r, _ in sampled]
-        num_prefill = len(prefill)
-        self._upload(num_tokens, num_decode + num_prefill, num_prefill, len(sampled))
+        counts = (num_tokens, num_decode, len(decode), len(prefill), len(sampled), max_q, max_len)
+        return self._finish(counts, [i for _, i in sampled], tuple(prompt_rows))
+
+    def _finish(
+        self,
+        counts: tuple[int, ...],
+        sample_order: list[int],
+        prompt_rows: tuple[tuple[int, int, int, int], ...],
+    ) -> PreparedStep:
+        """Upload the host buffers' rows and describe them."""
+        num_tokens, num_decode, num_real_decode, num_prefill, num_sampled, max_q, max_len = counts
+        self._upload(num_tokens, num_decode + num_prefill, num_prefill, num_sampled)
         dev = self._dev
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"][:num_tokens], num_decode_tokens=num_decode
@@ -152,7 +165,7 @@ class StepInputs:
         if num_decode:
             meta.decode_block_tables = dev["block_tables"][:num_decode]
             meta.decode_seq_lens = dev["seq_lens"][:num_decode]
-            meta.decode_max_seq_len = int(lens[:num_decode].max())
+            meta.decode_max_seq_len = int(self._np["seq_lens"][:num_decode].max())
         if num_prefill:
             meta.prefill_block_tables = dev["block_tables"][num_decode : num_decode + num_prefill]
             meta.prefill_seq_lens = dev["seq_lens"][num_decode : num_decode + num_prefill]
@@ -162,12 +175,43 @@ class StepInputs:
         return PreparedStep(
             num_tokens=num_tokens,
             num_decode=num_decode,
-            num_real_decode=len(decode),
+            num_real_decode=num_real_decode,
             meta=meta,
-            logit_rows=dev["logit_rows"][: len(sampled)],
-            sample_order=[i for _, i in sampled],
-            prompt_rows=tuple(prompt_rows),
+            logit_rows=dev["logit_rows"][:num_sampled],
+            sample_order=sample_order,
+            prompt_rows=prompt_rows,
+            counts=counts,
         )
+
+    def snapshot(self, step: PreparedStep) -> dict:
+        """The rows ``prepare`` wrote for ``step``, as arrays: what another rank's
+        ``restore`` needs to run the same step (a tensor-parallel follower)."""
+        num_tokens, num_decode, _, num_prefill, num_sampled, _, _ = step.counts
+        num_seqs = num_decode + num_prefill
+        npy = self._np
+        longest = int(npy["seq_lens"][:num_seqs].max()) if num_seqs else 0
+        cols = -(-longest // self.block_size)
+        return {
+            "counts": step.counts,
+            "prompt_rows": step.prompt_rows,
+            "input_ids": npy["input_ids"][:num_tokens].copy(),
+            "positions": npy["positions"][:num_tokens].copy(),
+            "slot_mapping": npy["slot_mapping"][:num_tokens].copy(),
+            "block_tables": npy["block_tables"][:num_seqs, :cols].copy(),
+            "seq_lens": npy["seq_lens"][:num_seqs].copy(),
+            "query_start_loc": npy["query_start_loc"][: num_prefill + 1].copy(),
+            "logit_rows": npy["logit_rows"][:num_sampled].copy(),
+        }
+
+    def restore(self, snap: dict) -> PreparedStep:
+        """Write a ``snapshot`` of another rank's step into these buffers."""
+        npy = self._np
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc"):
+            npy[name][: len(snap[name])] = snap[name]
+        tables = snap["block_tables"]
+        npy["block_tables"][: tables.shape[0], : tables.shape[1]] = tables
+        npy["logit_rows"][: len(snap["logit_rows"])] = snap["logit_rows"]
+        return self._finish(tuple(snap["counts"]), [], tuple(snap["prompt_rows"]))
 
     def _upload(self, num_tokens: int, num_seqs: int, num_prefill: int, num_sampled: int):
         if self._dev is self._host:

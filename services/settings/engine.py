@@ -54,6 +54,14 @@ class EngineArgs:
         False,
         "run the plain PyTorch model: no CUDA graphs on CUDA, no inductor compile on the CPU",
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "processes (ranks) one engine's model is split over, by attention and KV head, MLP "
+        "column/row and vocabulary; rank 0 is the worker, which starts the others and stops "
+        "with any of them. It must divide the model's attention and KV heads and its "
+        "intermediate size. On CUDA rank r takes the device after --device's by r; on the "
+        "CPU the ranks share the cores (each takes --num-threads)",
+    )
     num_threads: int | None = setting(None, "torch CPU threads (default: torch's choice)")
     seed: int = setting(0, "seed of unseeded random sampling")
     speculative_config: str | None = setting(
@@ -96,6 +104,7 @@ class EngineArgs:
             ("--max-num-seqs", self.max_num_seqs, 1),
             ("--max-model-len", self.max_model_len, 2),
             ("--num-threads", self.num_threads, 1),
+            ("--tensor-parallel-size", self.tensor_parallel_size, 1),
         ):
             check(value is None or value >= least, f"{flag} must be >= {least}, got {value}")
         check(

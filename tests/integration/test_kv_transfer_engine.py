@@ -142,15 +142,14 @@ def test_an_import_that_fails_half_way_frees_what_it_took(engines, monkeypatch):
     decode.generate([prompt[:32] + [7]], SamplingParams(max_tokens=1))  # 2 blocks to hold
     eng = decode.engine
     written = []
-    real_write = eng.runner.write_block
+    real_write = eng.runner.write_blocks
 
-    def write(block_id, data):
-        if len(written) == 2:
-            raise RuntimeError("device error")
-        written.append(block_id)
-        real_write(block_id, data)
+    def write(blocks):  # two blocks land, then the device fails
+        real_write(blocks[:2])
+        written.extend(block_id for block_id, _ in blocks[:2])
+        raise RuntimeError("device error")
 
-    monkeypatch.setattr(eng.runner, "write_block", write)
+    monkeypatch.setattr(eng.runner, "write_blocks", write)
     start = eng.stats().num_free_blocks
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     assert eng.begin_import(prompt, params, "half-1", first, None) == 2

@@ -287,7 +287,7 @@ def test_import_blocks_writes_caches_and_appends_the_blocks():
     written = {}
     hashes = kv.update_block_hashes(s)
     blocks = [(b"b0", hashes[0]), (b"b1", hashes[1]), (b"tail", None)]
-    assert kv.import_blocks(s, blocks, lambda block, data: written.__setitem__(block, data))
+    assert kv.import_blocks(s, blocks, written.update)
     assert s.block_table == [0, 1, 2]
     assert written == {0: b"b0", 1: b"b1", 2: b"tail"}
     assert [kv.pool.lookup(h) for h in hashes[:2]] == [0, 1]  # the full ones are cached
@@ -300,10 +300,10 @@ def test_import_blocks_refuses_without_room_and_frees_what_a_failing_write_took(
     kv = manager(2)
     s = seq("a", range(12))
     blocks = [(b"x", None)] * 3
-    assert not kv.import_blocks(s, blocks, lambda block, data: None)
+    assert not kv.import_blocks(s, blocks, lambda pairs: None)
     assert s.block_table == [] and kv.pool.num_free_blocks == 2
 
-    def failing(block: int, data: bytes) -> None:
+    def failing(pairs: list[tuple[int, bytes]]) -> None:
         raise ValueError("block data has 1 bytes, this worker's blocks have 64")
 
     with pytest.raises(ValueError, match="block data"):

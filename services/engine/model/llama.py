@@ -23,6 +23,7 @@ from torch import nn
 from pdserve.core.model import ModelConfig
 from pdserve.engine.model import ops
 from pdserve.engine.model.moe import SparseMoE
+from pdserve.engine.tensor_parallel import ONE_RANK, Shard, all_reduce, group_of
 
 
 class RMSNorm(nn.Module):
@@ -100,14 +101,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    """This rank's heads (all of them at one rank): q, k, v column parallel, o_proj row
+    parallel (its output summed over the ranks by the decoder layer)."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, shard: Shard = ONE_RANK) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = shard.split(cfg.num_heads, "attention heads")
+        self.num_kv_heads = shard.split(cfg.num_kv_heads, "KV heads")
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         # Sliding-window attention: a query at position p sees keys p - window < j <= p
         # (transformers' rule); 0 attends the whole context.
@@ -147,12 +151,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's part of the intermediate size: gate/up column parallel, down row
+    parallel (summed over the ranks by the decoder layer)."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard = ONE_RANK) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        inter = shard.split(cfg.intermediate_size, "MLP intermediate size")
+        self.intermediate_size = inter
         self.act = activation(cfg.hidden_act)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -160,13 +168,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, shard: Shard = ONE_RANK) -> None:
         super().__init__()
+        self.shard = shard
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
-        self.self_attn = Attention(cfg, layer_index)
+        self.self_attn = Attention(cfg, layer_index, shard)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         routed = bool(cfg.moe_layers) and cfg.moe_layers[layer_index]
-        self.mlp = SparseMoE(cfg) if routed else MLP(cfg)
+        self.mlp = SparseMoE(cfg, shard) if routed else MLP(cfg, shard)
         # Gemma 3 normalises the attention's and the MLP's outputs too ("sandwich" norms);
         # its post_attention_layernorm is then the attention output's.
         self.sandwich = cfg.gemma_norms
@@ -189,12 +198,13 @@ class DecoderLayer(nn.Module):
 
     def _after_attention(self, x, attn):
         n = x.shape[0]
-        out = self.self_attn.o_proj(attn.reshape(n, self.self_attn.q_size))
+        out = all_reduce(self.self_attn.o_proj(attn.reshape(n, self.self_attn.q_size)), self.shard)
         if self.sandwich:
             x = x + self.post_attention_layernorm(out)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            mlp = all_reduce(self.mlp(self.pre_feedforward_layernorm(x)), self.shard)
+            return x + self.post_feedforward_layernorm(mlp)
         x = x + out
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + all_reduce(self.mlp(self.post_attention_layernorm(x)), self.shard)
 
     # The same code in every layer (the layer index only reaches the attention op between
     # them): torch.compile traces and compiles each once per model.
@@ -206,17 +216,26 @@ class LlamaForCausalLM(nn.Module):
     """Token ids and positions of a flat batch in, hidden states out; logits on request.
 
     ``rotary`` serves the full-attention layers, ``local_rotary`` (Gemma 3) the sliding
-    ones; without it every layer takes ``rotary``."""
+    ones; without it every layer takes ``rotary``. ``shard``: this rank's part of a
+    tensor-parallel model (``pdserve.engine.tensor_parallel``); the embedding and the LM
+    head then hold its rows of the vocabulary."""
 
     def __init__(
-        self, cfg: ModelConfig, rotary: Rotary, local_rotary: Rotary | None = None
+        self,
+        cfg: ModelConfig,
+        rotary: Rotary,
+        local_rotary: Rotary | None = None,
+        shard: Shard = ONE_RANK,
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.shard = shard
+        self.vocab_start, self.vocab_end = shard.vocab_range(cfg.vocab_size)
+        vocab = shard.vocab_part(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
@@ -242,16 +261,34 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [N]
     ) -> torch.Tensor:
         """[N] token ids at [N] positions -> [N, hidden] final hidden states."""
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rotary_of(i))
         return self.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return self.embed_tokens(input_ids)
+        # This rank's rows of the vocabulary; the others' tokens give zeros, and the sum
+        # over the ranks is each token's row (adding zeros is exact in any dtype).
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_end - self.vocab_start)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        x = torch.where(mine.unsqueeze(-1), x, 0)
+        return all_reduce(x, self.shard)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[M, hidden] -> [M, vocab] float32 (soft-capped where the model says)."""
+        """[M, hidden] -> [M, vocab] float32 (soft-capped where the model says). In a
+        tensor-parallel model every rank calls it (each computes its rows of the
+        vocabulary, gathered on all)."""
         logits = self.lm_head(hidden)
+        if self.shard.size > 1 and hidden.shape[0] == 0:
+            logits = logits.new_empty(0, self.cfg.vocab_size)
+        elif self.shard.size > 1:
+            parts = group_of(self.shard.group).all_gather(logits.contiguous())
+            logits = torch.cat(parts, dim=-1)[:, : self.cfg.vocab_size]
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

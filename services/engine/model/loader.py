@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.core.model import ModelConfig
 from pdserve.engine.model.llama import LlamaForCausalLM, Rotary
+from pdserve.engine.tensor_parallel import ONE_RANK, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +123,14 @@ def _no_init(module: nn.Module) -> None:
     pass
 
 
-def build_on_meta(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+def build_on_meta(
+    cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, shard: Shard = ONE_RANK
+) -> LlamaForCausalLM:
     """The model's modules with no storage (the meta device): its shapes, for describing a
     checkpoint without reading its weights."""
     placeholder, local_placeholder = _rotaries(cfg, 1, dtype)
     with torch.device("meta"), _without_random_init():
-        return LlamaForCausalLM(cfg, placeholder, local_placeholder).to(dtype)
+        return LlamaForCausalLM(cfg, placeholder, local_placeholder, shard).to(dtype)
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -140,12 +143,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    shard: Shard = ONE_RANK,
 ) -> LlamaForCausalLM:
-    """The model with its weights, in ``dtype`` on ``device``, ready for inference."""
+    """The model with its weights, in ``dtype`` on ``device``, ready for inference;
+    ``shard``: this rank's part of them (each weight read whole, then cut)."""
     # Built on the meta device without the modules' random init, and with a placeholder
     # table made outside it: random init and torch.arange on the meta device run through
     # torch._refs, whose import of dynamo costs seconds of an eager worker's start.
-    model = build_on_meta(cfg, dtype)
+    model = build_on_meta(cfg, dtype, shard)
     # Storage for every tensor, uninitialised (no float32 copy on the way). torch.empty,
     # not to_empty's empty_like, whose meta-tensor path imports sympy.
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -170,7 +175,8 @@ def load_model(
                 expert = _map_expert(name)
                 if expert is not None:
                     target, index, part = expert
-                    _copy_expert(params, target, index, part, st.get_tensor(name), cfg)
+                    tensor = _shard_expert(st.get_tensor(name), part, index, cfg, shard)
+                    _copy_expert(params, target, index, part, tensor, cfg, shard)
                     got = expert_parts.setdefault(target, set())
                     got.add((index, part))
                     if index < 0 or len(got) == _expert_slices(target, cfg):
@@ -179,7 +185,7 @@ def load_model(
                 target, part, all_parts = _map_name(name)
                 if target is None:
                     continue
-                tensor = st.get_tensor(name)
+                tensor = _shard_weight(st.get_tensor(name), target, part, cfg, shard)
                 if part is None:
                     _copy(params, target, tensor)
                     loaded.add(target)
@@ -247,11 +253,12 @@ def _copy_expert(
     part: str,
     tensor: torch.Tensor,
     cfg: ModelConfig,
+    shard: Shard = ONE_RANK,
 ) -> None:
     p = params.get(target)
     if p is None:
         raise ValueError(f"unexpected expert weight for {target!r} in checkpoint")
-    inter = cfg.moe_intermediate_size
+    inter = cfg.moe_intermediate_size // shard.size
     if index < 0:  # all experts at once: counts as every slice
         dst = p
     elif part == "gate":
@@ -296,3 +303,64 @@ def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor
         )
     with torch.no_grad():
         p.copy_(tensor)
+
+
+# --- tensor parallelism: each rank's part of a weight --------------------------------
+# Column parallel (rows of the weight cut): q, k, v, gate, up; row parallel (columns cut):
+# o_proj, down_proj, whose bias only rank 0 adds; the vocabulary's rows cut: embedding and
+# LM head (the last rank's padded with zeros); every other weight whole.
+_ROWS = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "kv",
+    "self_attn.v_proj": "kv",
+    "mlp.gate_proj": "inter",
+    "mlp.up_proj": "inter",
+}
+_COLUMNS = {"self_attn.o_proj": "q", "mlp.down_proj": "inter"}
+
+
+def _shard_size(kind: str, cfg: ModelConfig) -> int:
+    return {
+        "q": cfg.num_heads * cfg.head_dim,
+        "kv": cfg.num_kv_heads * cfg.head_dim,
+        "inter": cfg.intermediate_size,
+    }[kind]
+
+
+def _shard_weight(
+    tensor: torch.Tensor, target: str, part: str | None, cfg: ModelConfig, shard: Shard
+) -> torch.Tensor:
+    """This rank's part of one (unfused) checkpoint weight mapped to ``target``."""
+    if shard.size == 1:
+        return tensor
+    if target in ("embed_tokens.weight", "lm_head.weight"):
+        start, end = shard.vocab_range(cfg.vocab_size)
+        out = tensor.new_zeros(shard.vocab_part(cfg.vocab_size), tensor.shape[1])
+        out[: end - start] = tensor[start:end]
+        return out
+    if part in _ROWS:  # a piece of a fused qkv_proj or gate_up_proj, weight or bias
+        start, end = shard.range(_shard_size(_ROWS[part], cfg))
+        return tensor[start:end]
+    for name, kind in _COLUMNS.items():
+        if f".{name}." in f".{target}":
+            if target.endswith(".bias"):
+                return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+            start, end = shard.range(_shard_size(kind, cfg))
+            return tensor[:, start:end]
+    return tensor
+
+
+def _shard_expert(
+    tensor: torch.Tensor, part: str, index: int, cfg: ModelConfig, shard: Shard
+) -> torch.Tensor:
+    """This rank's part of an expert weight: gate/up rows, down columns, of each expert's
+    intermediate size (``index`` -1: all experts stacked)."""
+    if shard.size == 1:
+        return tensor
+    inter = cfg.moe_intermediate_size
+    start, end = shard.range(inter)
+    if part == "gate_up_proj":  # all experts: [E, 2I, H]
+        return torch.cat([tensor[:, start:end], tensor[:, inter + start : inter + end]], dim=1)
+    if part in ("down_proj", "down"):  # all experts' [E, H, I], or one's [H, I]
+        return tensor[..., start:end]
+    return tensor[start:end]  # one expert's gate or up: [I, H]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.core.model import ModelConfig
+from pdserve.engine.tensor_parallel import ONE_RANK, Shard
 
 _lib = torch.library.Library("pdserve", "FRAGMENT")
 _lib.define(
@@ -169,9 +170,11 @@ def moe_experts_dense(
 
 
 class SparseMoE(nn.Module):
-    """Router and experts of one layer; the experts' weights stacked, [E, ...]."""
+    """Router and experts of one layer; the experts' weights stacked, [E, ...]. In a
+    tensor-parallel model each rank holds its part of every expert's intermediate size
+    (the router whole): its output is a part of the sum, which the decoder layer adds up."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard = ONE_RANK) -> None:
         super().__init__()
         if cfg.hidden_act not in ACTS:
             raise ValueError(f"experts with activation {cfg.hidden_act!r} are not supported")
@@ -181,7 +184,7 @@ class SparseMoE(nn.Module):
         # casts them to the model's dtype first.
         self.float_weights = cfg.family == "mixtral"
         self.act = ACTS[cfg.hidden_act]
-        inter = cfg.moe_intermediate_size
+        inter = shard.split(cfg.moe_intermediate_size, "expert intermediate size")
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(cfg.num_experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, inter))
