@@ -275,6 +275,8 @@ class LLMEngine:
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
+            kv_head_start=0,  # whole blocks, whatever --tensor-parallel-size
+            total_kv_heads=cfg.num_kv_heads,
         )
 
     def export_prompt_blocks(self, request_id: str) -> list[ExportedBlock]:

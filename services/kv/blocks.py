@@ -30,8 +30,18 @@ class BlockLayout:
     dtype: str
     block_size: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # in the block
     head_dim: int
+    # The block's heads are [kv_head_start, kv_head_start + num_kv_heads) of the model's
+    # total_kv_heads (0 given: all of them). pdserve sends whole blocks only (a
+    # tensor-parallel worker gathers and splits its ranks' heads), so a block of part of
+    # the heads differs from every receiver's layout and is refused, naming these fields.
+    kv_head_start: int = 0
+    total_kv_heads: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.total_kv_heads:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
 
     def differences(self, other: BlockLayout, ours: str, theirs: str) -> list[str]:
         """One "field: <ours> X, <theirs> Y" per differing field, e.g. "block_size: ours 16,

@@ -16,6 +16,8 @@ def layout_to_proto(layout: BlockLayout) -> common_pb2.BlockLayout:
         num_layers=layout.num_layers,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
+        kv_head_start=layout.kv_head_start,
+        total_kv_heads=layout.total_kv_heads,
     )
 
 
@@ -29,4 +31,6 @@ def layout_from_proto(p: common_pb2.BlockLayout) -> BlockLayout:
         num_layers=p.num_layers,
         num_kv_heads=p.num_kv_heads,
         head_dim=p.head_dim,
+        kv_head_start=p.kv_head_start,
+        total_kv_heads=p.total_kv_heads,  # 0 (an older peer): all of num_kv_heads
     )

@@ -215,7 +215,7 @@ def layout_from_text(text: str) -> BlockLayout:
         given[name.strip()] = value.strip()
     fields = {f.name: f for f in dataclasses.fields(BlockLayout)}
     unknown = sorted(set(given) - set(fields))
-    missing = [n for n in fields if n not in given]
+    missing = [n for n, f in fields.items() if n not in given and f.default is dataclasses.MISSING]
     if unknown or missing:
         raise ValueError(
             f"--block-layout needs exactly the fields {','.join(fields)}"
@@ -224,6 +224,8 @@ def layout_from_text(text: str) -> BlockLayout:
         )
     values = {}
     for name, f in fields.items():
+        if name not in given:  # a field added since (its default)
+            continue
         try:
             values[name] = _parse_field(f.type, given[name])
         except ValueError:

@@ -111,7 +111,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockLayout(_message.Message):
-    __slots__ = ("version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_head_start", "total_kv_heads")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class BlockLayout(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_fingerprint: bytes
     dtype: str
@@ -126,7 +128,9 @@ class BlockLayout(_message.Message):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, version: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    kv_head_start: int
+    total_kv_heads: int
+    def __init__(self, version: _Optional[int] = ..., model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
     __slots__ = ("key", "data", "num_tokens", "layout", "checksum")

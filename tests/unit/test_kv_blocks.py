@@ -87,3 +87,23 @@ def test_fetched_blocks_merge_across_replicas():
 def test_keys_show_as_text_or_hex():
     assert show_key(tail_key("req-1")) == "tail/req-1"
     assert show_key(b"\x00\xff") == "00ff"
+
+
+def test_the_header_names_the_heads_a_block_holds():
+    """A whole block is [0, total) of the KV heads, an older peer's header (no head range)
+    reads as one; a block of part of the heads (a per-rank export) is refused, naming the
+    range."""
+    from pdserve.kv.convert import layout_from_proto, layout_to_proto
+    from pdserve.v1 import common_pb2
+
+    assert (LAYOUT.kv_head_start, LAYOUT.total_kv_heads) == (0, 3)
+    assert layout_from_proto(layout_to_proto(LAYOUT)) == LAYOUT
+    older = layout_to_proto(LAYOUT)
+    older.ClearField("kv_head_start")
+    older.ClearField("total_kv_heads")
+    assert common_pb2.BlockLayout.FromString(older.SerializeToString()).total_kv_heads == 0
+    assert layout_from_proto(older) == LAYOUT
+    part = dataclasses.replace(LAYOUT, num_kv_heads=1, kv_head_start=2, total_kv_heads=3)
+    assert part.block_bytes == LAYOUT.block_bytes // 3
+    why = block_problem(LAYOUT, KEY, DATA[: part.block_bytes], 16, part, 0)
+    assert "kv_head_start: ours 0, block's 2" in why and "num_kv_heads: ours 3, block's 1" in why
