@@ -2,7 +2,7 @@
 
 Workers load their models in parallel, each pinned to the cores ``--cpu-layout`` gives it
 (``engine_cpus``; by default the decode workers split all the cores and each prefill worker
-takes one of them); the gateway starts once they are registered, so its first request has
+takes one of them; a worker's tensor-parallel ranks share its cores); the gateway starts once they are registered, so its first request has
 somewhere to go. A child that exits is restarted with backoff (``pdserve.local.supervisor``)
 while the others go on serving; Ctrl-C stops everything in order: gateway, workers,
 kvstore, Redis.
@@ -35,6 +35,7 @@ from pdserve.local.supervisor import GaveUp, RestartPolicy, Supervisor
 from pdserve.runtime.logs import configure_logging
 from pdserve.runtime.trust_files import read_pair, read_trust_files
 from pdserve.settings.commands import UpSettings, known_env
+from pdserve.settings.engine import EngineArgs
 from pdserve.settings.flags import env_names, parse_settings, secret_env, to_argv, warn_unknown_env
 from pdserve.settings.process import (
     InternalSecuritySettings,
@@ -71,8 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gives each) and then the gateway; print its addresses and wait. "
         f"{RestartPolicy().describe()} Ctrl-C stops it all: "
         "the gateway first, then the workers, the kvstore and Redis. The engine flags go to "
-        "every worker; logs go to --log-dir. The services require an internal token: the "
-        "one given, else a random one made for this cluster.",
+        "every worker, but --prefill-tensor-parallel-size and --decode-tensor-parallel-size "
+        "set each pool's own; logs go to --log-dir. The services require an internal token: "
+        "the one given, else a random one made for this cluster.",
     )
     configure_logging(settings.log)
     warn_unknown_env(known_env())
@@ -186,13 +188,17 @@ def _start(
     roles = ["prefill"] * settings.prefill_workers + ["decode"] * settings.num_decode
     slices = engine_cpus(settings.cpu_layout, sorted(os.sched_getaffinity(0)), roles)
     shared = len({c for cpus in slices for c in cpus}) < sum(len(cpus) for cpus in slices)
+    # A worker's tensor-parallel ranks run on its slice: more ranks than cores share them.
+    shared = shared or any(
+        settings.tensor_parallel_size(role) > len(cpus)
+        for role, cpus in zip(roles, slices, strict=True)
+    )
     # OpenMP threads that wait for work spin for a while before they sleep; on a core
     # another engine uses, that spinning steals its time.
     env = {"GOMP_SPINCOUNT": "10000"} if shared else None
     counts = {"prefill": 0, "decode": 0}
     for role, cpus in zip(roles, slices, strict=True):
-        threads = settings.engine.num_threads or len(cpus)
-        engine = dataclasses.replace(settings.engine, model=model, num_threads=threads)
+        engine = worker_engine(settings, role, cpus, model)
         cls = PrefillSettings if role == "prefill" else DecodeSettings
         worker = cls(
             server=ServerSettings(port=0),
@@ -252,6 +258,17 @@ def _launch(
     argv = [*_PDSERVE, command, *to_argv(settings, secrets=False)]
     env = {**(env or {}), **secret_env(settings)}
     return launcher.start(name, argv, expect or [command], cpus=cpus, env=env)
+
+
+def worker_engine(settings: UpSettings, role: str, cpus: Sequence[int], model: str) -> EngineArgs:
+    """The engine of a ``role`` worker pinned to ``cpus``: its pool's tensor-parallel size,
+    and its threads, unless --num-threads says, the worker's cores split among its ranks
+    (the followers inherit the worker's cores)."""
+    size = settings.tensor_parallel_size(role)
+    threads = settings.engine.num_threads or max(1, len(cpus) // size)
+    return dataclasses.replace(
+        settings.engine, model=model, num_threads=threads, tensor_parallel_size=size
+    )
 
 
 def engine_cpus(layout: str, cpus: Sequence[int], roles: Sequence[str]) -> list[list[int]]:

@@ -61,6 +61,19 @@ class UpSettings:
         "cores); workers that share cores keep their idle OpenMP threads from spinning",
         choices=("split", "shared", "decode-first"),
     )
+    prefill_tensor_parallel_size: int | None = setting(
+        None,
+        "tensor-parallel size of each prefill worker (default: --tensor-parallel-size); its "
+        "ranks share the worker's cores (the --cpu-layout slice), each taking an equal part "
+        "of them as its threads unless --num-threads says",
+        metavar="N",
+    )
+    decode_tensor_parallel_size: int | None = setting(
+        None,
+        "tensor-parallel size of each decode worker, colocated ones included (default: "
+        "--tensor-parallel-size); its ranks share the worker's cores as the prefill ones do",
+        metavar="N",
+    )
     log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
     engine: EngineArgs = setting(default_factory=EngineArgs)
@@ -88,6 +101,16 @@ class UpSettings:
         )
         check(self.startup_timeout > 0, "--startup-timeout must be a positive number of seconds")
         size_setting("--kvstore-capacity", self.kvstore_capacity)
+        for flag, size in (
+            ("--prefill-tensor-parallel-size", self.prefill_tensor_parallel_size),
+            ("--decode-tensor-parallel-size", self.decode_tensor_parallel_size),
+        ):
+            check(size is None or size >= 1, f"{flag} must be >= 1, got {size}")
+        check(
+            self.prefill_tensor_parallel_size is None or self.prefill_workers > 0,
+            "--prefill-tensor-parallel-size needs a prefill worker: leave it unset with "
+            "--disaggregation off or --prefill 0",
+        )
 
     @property
     def prefill_workers(self) -> int:
@@ -95,6 +118,15 @@ class UpSettings:
         if self.num_prefill is not None:
             return self.num_prefill
         return 1 if self.disaggregation else 0
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """The tensor-parallel size of a ``role`` ("prefill" or "decode") worker: its pool's
+        override, else the engine's."""
+        size = {
+            "prefill": self.prefill_tensor_parallel_size,
+            "decode": self.decode_tensor_parallel_size,
+        }[role]
+        return self.engine.tensor_parallel_size if size is None else size
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""`pdserve up` and `pdserve status` without processes: CPU placement, the flags children get,
-settings, tables."""
+"""`pdserve up` and `pdserve status` without processes: CPU placement, each pool's
+tensor-parallel size, the flags children get, settings, tables."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pdserve.settings.commands import UpSettings
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.flags import parse_settings, to_argv
 from pdserve.settings.process import RegistrySettings, ServerSettings
-from pdserve.settings.services import PrefillSettings
+from pdserve.settings.services import DecodeSettings, PrefillSettings
 from pdserve.status import format_tables, status_json
 
 
@@ -94,6 +94,48 @@ def test_up_settings_refuse_bad_values(change, message):
 def test_up_settings_allow_no_prefill_workers_when_colocated():
     assert replace(_SETTINGS, num_prefill=None, disaggregation=False).prefill_workers == 0
     assert replace(_SETTINGS, num_prefill=None).prefill_workers == 1
+
+
+def test_each_pool_takes_its_own_tensor_parallel_size_else_the_engines():
+    argv = ["--tensor-parallel-size", "2", "--prefill-tensor-parallel-size", "1"]
+    settings = parse_settings(UpSettings, argv, "pdserve up", "")
+    assert settings.tensor_parallel_size("prefill") == 1
+    assert settings.tensor_parallel_size("decode") == 2
+    swapped = replace(settings, engine=EngineArgs(), prefill_tensor_parallel_size=2)
+    assert [swapped.tensor_parallel_size(r) for r in ("prefill", "decode")] == [2, 1]
+
+
+def test_a_workers_ranks_split_its_cores_and_reach_its_command_line():
+    from pdserve.up import worker_engine
+
+    settings = replace(_SETTINGS, decode_tensor_parallel_size=2)
+    prefill = worker_engine(settings, "prefill", [3], "/m")
+    decode = worker_engine(settings, "decode", [0, 1, 2], "/m")
+    assert (prefill.tensor_parallel_size, prefill.num_threads) == (1, 1)
+    assert (decode.tensor_parallel_size, decode.num_threads) == (2, 1)
+    assert worker_engine(settings, "decode", [0], "/m").num_threads == 1  # ranks share it
+    pinned = replace(settings, engine=EngineArgs(num_threads=4))
+    assert worker_engine(pinned, "decode", [0, 1], "/m").num_threads == 4
+    argv = to_argv(replace(_decode_worker(), engine=decode))
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in to_argv(replace(_decode_worker(), engine=prefill))
+
+
+def test_colocated_decode_workers_take_the_engine_flag_and_refuse_a_prefill_size():
+    from pdserve.up import worker_engine
+
+    colocated = replace(
+        _SETTINGS, num_prefill=None, disaggregation=False, engine=EngineArgs(tensor_parallel_size=2)
+    )
+    assert worker_engine(colocated, "decode", [0, 1], "/m").tensor_parallel_size == 2
+    with pytest.raises(SettingsError, match="--prefill-tensor-parallel-size needs a prefill"):
+        replace(colocated, prefill_tensor_parallel_size=1)
+    with pytest.raises(SettingsError, match="--decode-tensor-parallel-size must be >= 1"):
+        replace(_SETTINGS, decode_tensor_parallel_size=0)
+
+
+def _decode_worker() -> DecodeSettings:
+    return DecodeSettings(server=ServerSettings(port=0), registry=RegistrySettings())
 
 
 def _workers(now: float) -> list[WorkerInfo]:
