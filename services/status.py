@@ -84,10 +84,11 @@ def _size(n: int) -> str:
 def _row(role: str, w: WorkerInfo | dict, now: float) -> list[str]:
     """One table row: a worker, or a pool's totals (a dict from ``pool_totals``)."""
     if isinstance(w, dict):
-        ident, address, model, age = f"total ({w['workers']})", "", "", ""
+        ident, address, model, tp, age = f"total ({w['workers']})", "", "", "", ""
         get = w.__getitem__
     else:
-        ident, address, model, age = w.worker_id, w.address, w.model, f"{now - w.updated_at:.1f}s"
+        ident, address, model = w.worker_id, w.address, w.model
+        tp, age = str(w.tensor_parallel_size), f"{now - w.updated_at:.1f}s"
         get = w.__getattribute__
     if role == "kvstore":
         used, cap = get("bytes_used"), get("capacity_bytes")
@@ -99,6 +100,7 @@ def _row(role: str, w: WorkerInfo | dict, now: float) -> list[str]:
         ident,
         address,
         model,
+        tp,
         str(get("num_running")),
         str(get("num_waiting")),
         f"{used}/{total} ({_pct(used, total)})",
@@ -113,6 +115,7 @@ _HEADERS = {
         "id",
         "address",
         "model",
+        "TP",
         "running",
         "waiting",
         "KV blocks",
@@ -151,8 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv,
         prog="pdserve status",
         description="Read the registry in Redis once and print a table per pool (prefill, "
-        "decode, kvstore): address, model, running and waiting requests, KV blocks in use, "
-        "prefix cache hits, kvstore bytes, and the age of each entry's last heartbeat. "
+        "decode, kvstore): address, model, tensor-parallel size (TP), running and waiting "
+        "requests, KV blocks in use, prefix cache hits, kvstore bytes, and the age of each "
+        "entry's last heartbeat. "
         "Without --redis-url, the cluster `pdserve up` runs on this machine (the newest, "
         "when several run).",
     )

@@ -62,6 +62,8 @@ class WorkerInfo:
     block_size: int = 0
     num_total_blocks: int = 0
     max_num_seqs: int = 0
+    # Processes one engine's model is split over; older entries, without it, read as 1.
+    tensor_parallel_size: int = 1
     capacity_bytes: int = 0  # kvstore
     metrics_address: str = ""  # HOST:PORT of its Prometheus /metrics ("" when off)
     # load

@@ -1,7 +1,7 @@
 """An engine worker's life: load the engine onto its thread, serve it over gRPC, register it.
 
 A worker started with ``--redis-url`` registers itself (address, role, model fingerprint,
-block size, capacity); its heartbeat publishes its load, read from the engine's stats
+block size, capacity, tensor-parallel size); its heartbeat publishes its load, read from the engine's stats
 snapshot without waiting for a step, and the block hashes its prefix cache stores and
 evicts. ``run_service`` does the rest (READY line, drain on SIGTERM), and makes the
 worker leave when the engine's watchdog says it is dead (its thread died, or a step ran
@@ -142,6 +142,7 @@ def engine_publisher(
         block_size=info.layout.block_size,
         num_total_blocks=info.num_total_blocks,
         max_num_seqs=info.max_num_seqs,
+        tensor_parallel_size=settings.engine.tensor_parallel_size,
     )
 
 

@@ -145,7 +145,7 @@ def _workers(now: float) -> list[WorkerInfo]:
                    prefix_cache_hits=10, spec_num_draft_tokens=80, spec_num_accepted_tokens=60,
                    updated_at=now - 0.5),
         WorkerInfo("decode-b", "decode", "127.0.0.1:3", model="tiny", num_total_blocks=100,
-                   num_free_blocks=100, updated_at=now - 0.25),
+                   num_free_blocks=100, tensor_parallel_size=2, updated_at=now - 0.25),
         WorkerInfo("kvstore-a", "kvstore", "127.0.0.1:4", capacity_bytes=2 << 30,
                    bytes_used=512 << 20, updated_at=now - 1.0),
     ]  # fmt: skip
@@ -156,8 +156,10 @@ def test_status_tables_show_each_pool_with_totals():
     lines = text.splitlines()
     assert lines[0] == "prefill (0)" and "(none registered)" in lines[1]
     decode = lines[lines.index("decode (2)") + 1 : lines.index("kvstore (1)")]
-    assert decode[1].split() == ["decode-a", "127.0.0.1:2", "tiny", "2", "1", "25/100", "(25%)",
-                                 "25%", "(10/40)", "75%", "(60/80)", "0.5s"]  # fmt: skip
+    assert decode[0].split()[:4] == ["id", "address", "model", "TP"]
+    assert decode[1].split() == ["decode-a", "127.0.0.1:2", "tiny", "1", "2", "1", "25/100",
+                                 "(25%)", "25%", "(10/40)", "75%", "(60/80)", "0.5s"]  # fmt: skip
+    assert decode[2].split()[3] == "2"  # its tensor-parallel size
     assert decode[2].split()[-2:] == ["-", "0.2s"]  # no speculation
     assert decode[3].split()[:7] == ["total", "(2)", "2", "1", "25/200", "(12%)", "25%"]
     assert "512.0 MiB / 2.0 GiB (25%)" in text
@@ -169,3 +171,4 @@ def test_status_json_counts_pools_and_ages():
     assert pools["decode"]["totals"]["active_blocks"] == 25
     assert pools["decode"]["totals"]["spec_num_accepted_tokens"] == 60
     assert pools["kvstore"]["workers"][0]["heartbeat_age_s"] == 1.0
+    assert [w["tensor_parallel_size"] for w in pools["decode"]["workers"]] == [1, 2]
