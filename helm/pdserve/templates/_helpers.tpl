@@ -144,9 +144,18 @@ changes, so it rotates without a restart (docs/security.md). */}}
 {{- end }}
 {{- end -}}
 
-{{/* A worker's engine: the cluster's engine values, then its pool's. */}}
+{{/* A worker's engine: the cluster's engine values, then its pool's. Its tensor-parallel
+ranks share the pod's CPU: without numThreads, each takes the CPU request (rounded up, as
+PDSERVE_NUM_THREADS has it) divided among them, at least 1. */}}
 {{- define "pdserve.engineArgs" -}}
 {{- $engine := mergeOverwrite (deepCopy .root.Values.engine) (.pool.engine | default dict) -}}
+{{- $ranks := int ($engine.tensorParallelSize | default 1) -}}
+{{- $cpu := dig "requests" "cpu" "" (.pool.resources | default dict) | toString -}}
+{{- if and (gt $ranks 1) (kindIs "invalid" $engine.numThreads) $cpu -}}
+{{- $millicores := hasSuffix "m" $cpu | ternary (trimSuffix "m" $cpu | float64) (mulf (float64 $cpu) 1000) -}}
+{{- $cores := divf $millicores 1000 | ceil | int -}}
+{{- $_ := set $engine "numThreads" (max 1 (div $cores $ranks)) -}}
+{{- end -}}
 {{- include "pdserve.flags" (dict "values" $engine "keys" (keys $engine | sortAlpha)) -}}
 {{- end -}}
 
