@@ -250,6 +250,11 @@ class LLMEngine:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos),
+            rank_imports=tuple(
+                (rank, *counts) for rank, counts in sorted(self.runner.rank_imports.items())
+            )
+            if self.followers is not None
+            else (),
         )
 
     def info(self) -> EngineInfo:

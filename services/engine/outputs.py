@@ -99,6 +99,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Tensor parallel: (rank, blocks, bytes) each rank imported into its own KV cache (its
+    # heads of each block), as the rank counted them; empty at one rank.
+    rank_imports: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

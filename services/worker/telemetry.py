@@ -143,6 +143,7 @@ class WorkerMetrics:
                 "Fetched KV blocks refused (wrong header, length or checksum) and recomputed.",
                 s.num_rejected_blocks,
             ),
+            *_rank_rows(s.rank_imports),
             *spec_rows(
                 SpecDecodeStats(
                     s.spec_num_drafts,
@@ -163,6 +164,17 @@ class WorkerMetrics:
     def transfer_failed(self, direction: str) -> None:
         """Count one failed transfer with one kvstore (``direction``: push or fetch)."""
         self.transfer_failures.labels(*self.labels.values, direction).inc()
+
+
+def _rank_rows(rank_imports: tuple[tuple[int, int, int], ...]) -> Iterable[tuple]:
+    """Per tensor-parallel rank: the blocks and bytes it imported into its own KV cache
+    (its KV heads of each block)."""
+    for rank, blocks, num_bytes in rank_imports:
+        label = {"rank": str(rank)}
+        text = "KV blocks imported, by tensor-parallel rank (each takes its KV heads)."
+        yield ("kv_rank_blocks_imported", "counter", text, label, blocks)
+        text = "Bytes of KV imported, by tensor-parallel rank (its KV heads only)."
+        yield ("kv_rank_bytes_imported", "counter", text, label, num_bytes)
 
 
 @dataclass
