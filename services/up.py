@@ -2,10 +2,10 @@
 
 Workers load their models in parallel, each pinned to the cores ``--cpu-layout`` gives it
 (``engine_cpus``; by default the decode workers split all the cores and each prefill worker
-takes one of them; a worker's tensor-parallel ranks share its cores); the gateway starts once they are registered, so its first request has
-somewhere to go. A child that exits is restarted with backoff (``pdserve.local.supervisor``)
-while the others go on serving; Ctrl-C stops everything in order: gateway, workers,
-kvstore, Redis.
+takes one of them; a worker's tensor-parallel ranks share its cores); the gateway starts
+once they are registered, so its first request has somewhere to go. A child that exits is
+restarted with backoff (``pdserve.local.supervisor``) while the others go on serving;
+Ctrl-C stops everything in order: gateway, workers, kvstore, Redis.
 Each child gets its settings as flags made from settings objects (``to_argv``), and an
 environment without the ``PDSERVE_*`` variables `up` itself read, so that what `up`
 decided is what every child runs with. Secrets go by environment variables, never flags

@@ -1,14 +1,14 @@
 """An engine worker's life: load the engine onto its thread, serve it over gRPC, register it.
 
 A worker started with ``--redis-url`` registers itself (address, role, model fingerprint,
-block size, capacity, tensor-parallel size); its heartbeat publishes its load, read from the engine's stats
-snapshot without waiting for a step, and the block hashes its prefix cache stores and
-evicts. ``run_service`` does the rest (READY line, drain on SIGTERM), and makes the
-worker leave when the engine's watchdog says it is dead (its thread died, or a step ran
-past ``--engine-stall-timeout``): its requests end with UNAVAILABLE, it turns NOT_SERVING,
-deregisters and exits 3, for its supervisor to start a fresh one. Its Prometheus /metrics
-are served on ``--metrics-port``, whose address it registers and prints in a
-``READY <role>-metrics HOST:PORT`` line.
+block size, capacity, tensor-parallel size); its heartbeat publishes its load, read from
+the engine's stats snapshot without waiting for a step, and the block hashes its prefix
+cache stores and evicts. ``run_service`` does the rest (READY line, drain on SIGTERM), and
+makes the worker leave when the engine's watchdog says it is dead (its thread died, or a
+step ran past ``--engine-stall-timeout``): its requests end with UNAVAILABLE, it turns
+NOT_SERVING, deregisters and exits 3, for its supervisor to start a fresh one. Its
+Prometheus /metrics are served on ``--metrics-port``, whose address it registers and
+prints in a ``READY <role>-metrics HOST:PORT`` line.
 """
 
 from __future__ import annotations
