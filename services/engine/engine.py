@@ -41,9 +41,15 @@ class LLMEngine:
         """``grammars``: the structured output compiler to use (a worker's, loading while
         the model does); default: one of its own, loaded on first use."""
         self.args = args
+        self.device = resolve_device(args)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        self.device = resolve_device(args)
+        elif args.tensor_parallel_size > 1 and self.device.type == "cpu":
+            # The ranks share this process's cores: each takes its part of them (N ranks
+            # of the whole count each would spin N times as many threads as cores).
+            threads = max(1, torch.get_num_threads() // args.tensor_parallel_size)
+            args = dataclasses.replace(args, num_threads=threads)
+            torch.set_num_threads(threads)
         self.model_config = cfg = ModelConfig.from_dir(model_path)
         self.dtype = resolve_dtype(args, cfg, self.device)
         self.max_model_len = cfg.max_model_len(args.max_model_len)

@@ -122,8 +122,10 @@ class RankGroup:
         self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", self.store), rank, size, options)
         self.model = self.cpu
         if device.type == "cuda":
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = timeout
             self.model = dist.ProcessGroupNCCL(
-                dist.PrefixStore("nccl", self.store), rank, size, timeout=timeout
+                dist.PrefixStore("nccl", self.store), rank, size, nccl
             )
         self.failure: str | None = None
         with _GROUPS_LOCK:
