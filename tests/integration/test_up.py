@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
@@ -19,83 +18,28 @@ import httpx
 
 from pdserve.testing.metrics import metric
 from tests.helpers.flags import engine_flags
+from tests.helpers.up_process import alive, descendants, read_until, start_up, stderr_of
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = engine_flags(num_kv_blocks=64, max_model_len=256)
 COMPILED = engine_flags(num_kv_blocks=64, max_model_len=256, enforce_eager=None)
 
 
-def _start_up(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", *args],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        bufsize=0,  # no reader buffer: select() must see every line still unread
-        start_new_session=True,
-    )
-
-
-def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
-    """stdout up to and including the line that starts with ``marker``."""
-    out = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(max(deadline - time.monotonic(), 0.01)):
-                continue
-            line = proc.stdout.readline().decode()
-            if not line:
-                break
-            out.append(line)
-            if line.startswith(marker):
-                return "".join(out)
-    proc.kill()
-    raise AssertionError(f"no {marker!r} line; stdout:\n{''.join(out)}\n{_stderr(proc)}")
-
-
-def _stderr(proc: subprocess.Popen) -> str:
-    return proc.stderr.read().decode(errors="replace")
-
-
-def _descendants(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                kids = {int(p) for p in task.read_text().split()}
-            except OSError:
-                continue
-            todo += kids - found
-            found |= kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_path, tmp_path):
     runtime = {"XDG_RUNTIME_DIR": str(tmp_path / "run")}  # where up says where its cluster is
-    proc = _start_up(
+    proc = start_up(
         "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
         "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
         *COMPILED, env=runtime,  # the workers' default step, compiled
     )  # fmt: skip
     pids: set[int] = set()
     try:
-        out = _read_until(proc, "Ctrl-C stops everything", timeout=90)
+        out = read_until(proc, "Ctrl-C stops everything", timeout=90)
         for name in ("redis", "kvstore", "prefill-0", "decode-0", "gateway"):
             assert f"✓ {name}" in out
         rest = re.search(r"REST +(http://\S+)", out).group(1)
         assert "curl -s " + rest + "/chat/completions" in out
-        pids = _descendants(proc.pid)
+        pids = descendants(proc.pid)
         assert len(pids) >= 5  # redis, kvstore, prefill, decode, gateway
 
         response = httpx.post(
@@ -144,28 +88,28 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
             assert "pdserve:" in httpx.get(metrics, timeout=10).text
 
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0, _stderr(proc)
+        assert proc.wait(timeout=30) == 0, stderr_of(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
     assert list((tmp_path / "run").glob("pdserve/*")) == []  # its word of the cluster too
 
 
 def test_up_stops_everything_when_a_worker_fails_to_start(tiny_chat_llama_path, tmp_path):
     # One KV block cannot hold a 256-token sequence: the workers refuse to start.
-    proc = _start_up(
+    proc = start_up(
         "--port", "0", "--http-port", "0", "--model", str(tiny_chat_llama_path),
         "--log-dir", str(tmp_path), *engine_flags(num_kv_blocks=1, max_model_len=256),
     )  # fmt: skip
     pids: set[int] = set()
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
-        pids |= _descendants(proc.pid)
+        pids |= descendants(proc.pid)
         time.sleep(0.2)
     try:
         stderr = proc.communicate(timeout=5)[1].decode()
@@ -176,12 +120,12 @@ def test_up_stops_everything_when_a_worker_fails_to_start(tiny_chat_llama_path, 
     assert proc.returncode == 1, stderr
     assert "exited with code" in stderr and "before it was ready" in stderr
     assert "--kv-cache-memory" in stderr  # the worker's own error, from its log tail
-    assert pids and not [p for p in pids if _alive(p)]
+    assert pids and not [p for p in pids if alive(p)]
 
 
 def test_up_refuses_a_missing_model_before_starting_anything(tmp_path):
     log_dir = tmp_path / "logs"
-    proc = _start_up("--model", "/nonexistent", "--log-dir", str(log_dir))
+    proc = start_up("--model", "/nonexistent", "--log-dir", str(log_dir))
     stderr = proc.communicate(timeout=60)[1].decode()
     assert proc.returncode == 2
     assert "/nonexistent does not exist" in stderr
@@ -216,7 +160,7 @@ def _chat(rest: str) -> httpx.Response:
 
 def _pid_of(up_pid: int, command: str) -> int:
     """The PID of up's child that runs ``pdserve COMMAND``."""
-    for pid in _descendants(up_pid):
+    for pid in descendants(up_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -259,20 +203,20 @@ def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp
     # Slower steps: a stream is still running when its decode worker is killed (the plain
     # step, as ENGINE says: each worker's start, and restart, is then seconds shorter).
     slow = {"PDSERVE_TEST_FAULT": "engine-step-delay:0.02"}
-    proc = _start_up(
+    proc = start_up(
         "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
         "--model", str(tiny_chat_llama_path), "--log-dir", str(tmp_path), "--startup-timeout", "60",
         *ENGINE, env=slow,
     )  # fmt: skip
     pids: set[int] = set()
     try:
-        out = _read_until(proc, "Ctrl-C stops everything", timeout=90)
+        out = read_until(proc, "Ctrl-C stops everything", timeout=90)
         rest = re.search(r"REST +(http://\S+)", out).group(1)
         redis_url = re.search(r"Redis +(\S+)", out).group(1)
         before = _status(redis_url)
         (decode,) = before["decode"]["workers"]
         others = {p["workers"][0]["pid"] for role, p in before.items() if role != "decode"}
-        pids = _descendants(proc.pid)
+        pids = descendants(proc.pid)
 
         # A stream running when the only decode worker dies waits for its restart, moves
         # to it, and finishes as the unbroken stream does.
@@ -282,7 +226,7 @@ def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp
         reader.start()
         assert started.wait(60)
         os.kill(decode["pid"], signal.SIGKILL)
-        back = _read_until(proc, "  ✓ decode-0 back at", timeout=90)
+        back = read_until(proc, "  ✓ decode-0 back at", timeout=90)
         assert "restarting decode-0" in back
         reader.join(120)
         assert streamed["status"] == 200
@@ -311,22 +255,22 @@ def test_up_restarts_killed_children_and_keeps_serving(tiny_chat_llama_path, tmp
         # A restarted gateway binds the ports up printed.
         grpc_address = re.search(r"gRPC +(\S+)", out).group(1)
         os.kill(_pid_of(proc.pid, "gateway"), signal.SIGKILL)
-        _read_until(proc, f"  ✓ gateway back at {grpc_address}", timeout=90)
+        read_until(proc, f"  ✓ gateway back at {grpc_address}", timeout=90)
         deadline = time.monotonic() + 60
         while (response := _chat(rest)).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert response.status_code == 200, response.text
-        pids |= _descendants(proc.pid)
+        pids |= descendants(proc.pid)
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-        stderr = _stderr(proc)
+        stderr = stderr_of(proc)
         assert "decode-0 was killed by SIGKILL; restarting it in 1 s (crash 1 in a row" in stderr
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]

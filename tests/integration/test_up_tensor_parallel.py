@@ -18,7 +18,7 @@ from pdserve.testing.metrics import metric
 from pdserve.testing.reference import compare, hf_greedy, random_prompts
 from pdserve.testing.tiny_models import build_tiny_checkpoint
 from tests.helpers.flags import engine_flags
-from tests.integration.test_up import _alive, _descendants, _read_until, _start_up
+from tests.helpers.up_process import alive, descendants, read_until, start_up
 
 MAX_NEW = 24
 
@@ -33,7 +33,7 @@ def qwen3(tmp_path_factory):
 def test_up_with_a_tp_size_per_pool_is_exact(qwen3, tmp_path, prefill_tp, decode_tp):
     path, refs = qwen3
     runtime = {"XDG_RUNTIME_DIR": str(tmp_path / "run")}
-    proc = _start_up(
+    proc = start_up(
         "--prefill", "1", "--decode", "1", "--port", "0", "--http-port", "0",
         "--model", str(path), "--log-dir", str(tmp_path), "--startup-timeout", "90",
         "--prefill-tensor-parallel-size", str(prefill_tp),
@@ -43,9 +43,9 @@ def test_up_with_a_tp_size_per_pool_is_exact(qwen3, tmp_path, prefill_tp, decode
     )  # fmt: skip
     pids: set[int] = set()
     try:
-        out = _read_until(proc, "Ctrl-C stops everything", timeout=120)
+        out = read_until(proc, "Ctrl-C stops everything", timeout=120)
         rest = re.search(r"REST +(http://\S+)", out).group(1)
-        pids = _descendants(proc.pid)
+        pids = descendants(proc.pid)
         with httpx.Client(base_url=rest, timeout=60) as http:
             model = http.get("/models").json()["data"][0]["id"]
             for ref in refs:
@@ -61,7 +61,7 @@ def test_up_with_a_tp_size_per_pool_is_exact(qwen3, tmp_path, prefill_tp, decode
                 assert response.status_code == 200, response.text
                 compare(response.json()["choices"][0]["token_ids"], ref)
         # Followers: one per extra rank of each pool, children of their worker.
-        assert len(_descendants(proc.pid)) >= 5 + (prefill_tp - 1) + (decode_tp - 1)
+        assert len(descendants(proc.pid)) >= 5 + (prefill_tp - 1) + (decode_tp - 1)
         decode = _worker(tmp_path, "decode")
         assert decode["tensor_parallel_size"] == decode_tp
         assert _worker(tmp_path, "prefill")["tensor_parallel_size"] == prefill_tp
@@ -80,9 +80,9 @@ def test_up_with_a_tp_size_per_pool_is_exact(qwen3, tmp_path, prefill_tp, decode
             proc.kill()
             proc.wait(10)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
 
 
 def _worker(tmp_path, role: str) -> dict:
