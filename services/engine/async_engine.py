@@ -242,7 +242,7 @@ class AsyncEngine:
                     )
                 elif not self._thread.is_alive() and not self._stop:
                     self._die("the engine thread ended")
-                elif self.engine is not None and (lost := self.engine.lost_rank()):
+                elif (lost := self.engine.lost_rank()) is not None:
                     self._die(lost)  # a tensor-parallel rank died between steps
             return failed.result()
         finally:
@@ -258,8 +258,9 @@ class AsyncEngine:
         self._commands.put(lambda: None)
         if self.failure is None:  # a dead or stuck thread is not waited for
             self._thread.join(timeout=10)
-        if self.engine is not None:  # a tensor-parallel engine's other ranks
-            self.engine.close(graceful=self.failure is None and not self._thread.is_alive())
+        # A tensor-parallel engine's other ranks: told to stop, or killed where the engine
+        # thread died or is stuck.
+        self.engine.close(graceful=self.failure is None and not self._thread.is_alive())
 
     # --- any thread ----------------------------------------------------------------
 

@@ -42,12 +42,14 @@ class LLMEngine:
         the model does); default: one of its own, loaded on first use."""
         self.args = args
         self.device = resolve_device(args)
+        self._threads_before: int | None = None  # torch's count, where TP changed it
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         elif args.tensor_parallel_size > 1 and self.device.type == "cpu":
             # The ranks share this process's cores: each takes its part of them (N ranks
             # of the whole count each would spin N times as many threads as cores).
-            threads = max(1, torch.get_num_threads() // args.tensor_parallel_size)
+            self._threads_before = torch.get_num_threads()
+            threads = max(1, self._threads_before // args.tensor_parallel_size)
             args = dataclasses.replace(args, num_threads=threads)
             torch.set_num_threads(threads)
         self.model_config = cfg = ModelConfig.from_dir(model_path)
@@ -228,6 +230,8 @@ class LLMEngine:
         else:
             self._finalizer.detach()
             self.followers.stop(False)
+        if self._threads_before is not None:  # the process's cores are its own again
+            torch.set_num_threads(self._threads_before)
 
     def lost_rank(self) -> str | None:
         """Why a tensor-parallel rank is gone (safe from any thread); None while all run."""
