@@ -13,7 +13,7 @@ bytes (on the host), and on CUDA an NCCL group for the model's collectives (on a
 gloo group does both). A rank that dies breaks every collective of the others: the
 followers exit, and rank 0 raises ``RankLost`` (a BaseException: the engine thread
 dies, so the worker leaves the registry; ``RankGroup.lost`` tells its watchdog between
-steps). Followers are started with PR_SET_PDEATHSIG, so that they never outlive rank 0.
+steps). Followers set PR_SET_PDEATHSIG, so that they never outlive rank 0.
 """
 
 from __future__ import annotations
@@ -215,10 +215,14 @@ def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
 # --- starting the followers -------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG)."""
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this follower when the thread that started it ends (PR_SET_PDEATHSIG, set
+    by the follower itself: a preexec_fn is unsafe in rank 0's threaded process); a parent
+    gone before it was set is seen by its pid."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 @dataclass
@@ -241,7 +245,6 @@ class Followers:
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         self.store = dist.TCPStore(LOOPBACK, 0, size, True, timeout=timeout, wait_for_workers=False)
         port = self.store.port
-        env = dict(os.environ)
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, size):
             cmd = [
@@ -256,8 +259,10 @@ class Followers:
                 str(port),
                 "--spec",
                 json.dumps(dataclasses.asdict(spec)),
+                "--parent",
+                str(os.getpid()),
             ]
-            self.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+            self.procs.append(subprocess.Popen(cmd))
         logger.info(
             "tensor parallel: %d ranks, followers pid %s",
             size,
@@ -364,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--spec", required=True, help="the FollowerSpec as JSON")
+    parser.add_argument("--parent", type=int, required=True, help="rank 0's pid")
     opts = parser.parse_args(argv)
+    _die_with_parent(opts.parent)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s rank{opts.rank} %(levelname)s %(name)s: %(message)s",
