@@ -33,7 +33,11 @@ class EngineArgs:
     )
     device: str = setting("auto", "auto (cuda if available, else cpu), cpu, or cuda[:N]")
     block_size: int = setting(16, "tokens per KV block (a power of two)")
-    kv_cache_memory: str = setting("1GiB", "memory for the KV cache, e.g. 512MiB or 2GiB")
+    kv_cache_memory: str = setting(
+        "1GiB",
+        "memory for the KV cache, e.g. 512MiB or 2GiB (each rank's, with "
+        "--tensor-parallel-size: a rank holds its KV heads of every block)",
+    )
     num_kv_blocks: int | None = setting(None, "number of KV blocks (overrides --kv-cache-memory)")
     max_num_batched_tokens: int = setting(
         1024, "token budget of one step; longer prompts are prefilled in chunks"
