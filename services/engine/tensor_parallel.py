@@ -26,8 +26,8 @@ import datetime
 import json
 import logging
 import os
-import pickle
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -154,9 +155,10 @@ class RankGroup:
 
     # Host-side messages over gloo.
     def broadcast_object(self, obj: object | None = None) -> object:
-        """Rank 0 sends ``obj`` to every rank; each rank returns it."""
+        """Rank 0 sends ``obj`` to every rank (``encode``'s kinds of values); each rank
+        returns it (its tuples as lists)."""
         if self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+            payload = torch.frombuffer(bytearray(encode(obj)), dtype=torch.uint8)
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
@@ -164,7 +166,7 @@ class RankGroup:
         if self.rank != 0:
             payload = torch.empty(int(length[0]), dtype=torch.uint8)
         self._wait(self.cpu.broadcast([payload], dist.BroadcastOptions()))
-        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+        return obj if self.rank == 0 else decode(payload.numpy().tobytes())
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         self._wait(self.cpu.send([x.contiguous()], dst, 0))
@@ -183,6 +185,55 @@ class RankGroup:
 
 def group_of(group_id: int) -> RankGroup:
     return _GROUPS[group_id]
+
+
+# --- rank 0's messages: JSON and raw arrays, never pickle --------------------------------
+
+
+def encode(obj: object) -> bytes:
+    """``obj`` (None, bools, numbers, strings, lists, tuples, dicts with string keys, numpy
+    arrays) as a JSON header, its arrays' bytes after it."""
+    arrays: list[np.ndarray] = []
+
+    def walk(x: object) -> object:
+        if isinstance(x, np.ndarray):
+            arrays.append(np.ascontiguousarray(x))
+            return {"array": len(arrays) - 1, "dtype": x.dtype.str, "shape": list(x.shape)}
+        if isinstance(x, list | tuple):
+            return [walk(v) for v in x]
+        if isinstance(x, dict):
+            return {"dict": {str(k): walk(v) for k, v in x.items()}}
+        if isinstance(x, np.integer):
+            return int(x)
+        if x is None or isinstance(x, bool | int | float | str):
+            return x
+        raise TypeError(f"bug: a tensor-parallel message cannot carry {type(x).__name__}")
+
+    header = json.dumps(walk(obj)).encode()
+    return struct.pack("<Q", len(header)) + header + b"".join(a.tobytes() for a in arrays)
+
+
+def decode(data: bytes) -> object:
+    """What ``encode`` wrote."""
+    (length,) = struct.unpack_from("<Q", data)
+    tree = json.loads(data[8 : 8 + length])
+    offset = 8 + length  # the arrays follow in the order the walk meets them
+
+    def walk(x: object) -> object:
+        nonlocal offset
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, dict) and "dict" in x:
+            return {k: walk(v) for k, v in x["dict"].items()}
+        if isinstance(x, dict):
+            dtype = np.dtype(x["dtype"])
+            count = int(np.prod(x["shape"], dtype=np.int64))
+            array = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+            offset += count * dtype.itemsize
+            return array.reshape(x["shape"])
+        return x
+
+    return walk(tree)
 
 
 # --- the model's collective, an opaque op ---------------------------------------------
