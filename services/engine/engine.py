@@ -225,7 +225,7 @@ class LLMEngine:
         killed. The engine cannot step after it."""
         if self.followers is None or not self._finalizer.alive:
             return
-        if graceful:
+        if graceful and self.followers.group.failure is None:  # else a collective hangs
             self._finalizer()
         else:
             self._finalizer.detach()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import default_rule
 from pdserve.engine.step_inputs import PreparedStep, StepInputs
 from pdserve.engine.structured_output import step_bitmask
-from pdserve.engine.tensor_parallel import RankGroup, Shard
+from pdserve.engine.tensor_parallel import RankGroup, RankLost, Shard
 from pdserve.kernels import sample_cpu
 from pdserve.settings.engine import EngineArgs
 
@@ -229,12 +230,8 @@ class ModelRunner:
         its heads only."""
         if not blocks:
             return
-        full = self.kv.shape[:1] + (self.cfg.num_layers, 2, self.cfg.num_kv_heads)
-        block_shape = full[1:] + self.kv.shape[4:]
-        numel = 1
-        for d in block_shape:
-            numel *= d
-        want = numel * self.kv.element_size()
+        block_shape = (self.cfg.num_layers, 2, self.cfg.num_kv_heads, *self.kv.shape[4:])
+        want = math.prod(block_shape) * self.kv.element_size()
         rows = []
         for _, data in blocks:
             if len(data) != want:
@@ -303,6 +300,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Run one step over ``batch``; its samples, index-aligned with ``batch.seqs``."""
+        if self.group is None:
+            return self._execute(batch)
+        try:
+            return self._execute(batch)
+        except RankLost:
+            raise
+        except Exception as error:
+            # The other ranks may wait in a collective this rank never reached: any next
+            # step would pair with it. The engine is over.
+            self.group.failure = f"rank 0 failed mid-step ({error!r}); the ranks are out of step"
+            raise RankLost(self.group.failure) from error
+
+    def _execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         bucket = self._decode_bucket(batch)
         step = self.inputs.prepare(batch.seqs, batch.num_new_tokens, bucket, batch.draft_token_ids)
         if self.group is not None:

@@ -141,3 +141,20 @@ def test_a_dead_rank_ends_the_engine_and_leaves_nothing(tmp_path):
         assert "rank 1" in eng.lost_rank() and "status -9" in eng.lost_rank()
         with pytest.raises(RankLost, match="collective failed"):
             eng.step()
+
+
+def test_a_failure_of_rank_0_mid_step_ends_the_engine(tmp_path, monkeypatch):
+    """An exception on rank 0 inside a step (here in the logits, after the forward's
+    collectives) leaves the ranks out of step: the step raises RankLost, not the error, and
+    closing kills the follower rather than waiting on it."""
+    path = build_tiny_checkpoint("llama", tmp_path / "llama")
+    with tp_llm(path, num_kv_blocks=64, enforce_eager=True) as llm:
+        eng = llm.engine
+
+        def broken(hidden, step):
+            raise ValueError("injected")
+
+        monkeypatch.setattr(eng.runner, "_logits", broken)
+        eng.add_request(list(range(3, 20)), SamplingParams(max_tokens=4), "r")
+        with pytest.raises(RankLost, match="rank 0 failed mid-step.*injected"):
+            eng.step()
