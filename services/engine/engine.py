@@ -237,11 +237,6 @@ class LLMEngine:
         """Why a tensor-parallel rank is gone (safe from any thread); None while all run."""
         return self.followers.lost() if self.followers is not None else None
 
-    def rank_imports(self) -> dict[int, tuple[int, int]]:
-        """Blocks and bytes each rank has imported into its own KV cache (its head range of
-        each block), by rank, as each rank counted them."""
-        return dict(self.runner.rank_imports)
-
     def stats(self) -> EngineStats:
         spec = self.spec.stats if self.spec is not None else SpecDecodeStats()
         return EngineStats(

@@ -3,6 +3,7 @@ line by line to a marker, its descendants found and checked gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import subprocess
@@ -67,3 +68,18 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def status(*args: str, env: dict[str, str] | None = None) -> dict:
+    """`pdserve status --json` with ``args`` (none: it finds the cluster `up` started, by
+    ``env``'s XDG_RUNTIME_DIR), parsed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--json", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)

@@ -8,7 +8,6 @@ killed: test_tensor_parallel_cluster.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 
 import httpx
@@ -19,6 +18,7 @@ from pdserve.testing.reference import compare, hf_greedy, random_prompts
 from pdserve.testing.tiny_models import NEW_FAMILIES, build_tiny_checkpoint
 from tests.helpers.clusters import running, start_kvstore
 from tests.helpers.flags import engine_flags
+from tests.helpers.streams import stream_greedy
 
 LENGTHS = [1, 40, 70, 130]  # the longest over five of Gemma 3's (and the Mistral's) windows
 
@@ -31,28 +31,6 @@ def family(request, tmp_path_factory):
 
 
 CLUSTER_NEW = 160
-
-
-async def _stream(client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event):
-    tokens: list[int] = []
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": CLUSTER_NEW,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-    }
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
-                tokens.extend(choice.get("token_ids") or [])
-                if len(tokens) >= 3:
-                    started.set()
-    return tokens
 
 
 def test_disaggregated_cluster_and_a_migrated_stream(family, tmp_path):
@@ -80,7 +58,7 @@ def test_disaggregated_cluster_and_a_migrated_stream(family, tmp_path):
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 started = [asyncio.Event() for _ in refs]
                 tasks = [
-                    asyncio.create_task(_stream(client, r.prompt, e))
+                    asyncio.create_task(stream_greedy(client, r.prompt, CLUSTER_NEW, e))
                     for r, e in zip(refs, started, strict=True)
                 ]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)

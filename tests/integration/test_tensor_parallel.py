@@ -114,10 +114,9 @@ def test_blocks_move_between_tp_sizes_both_ways(tmp_path):
                 seq = _decode(dst, ref.prompt, rid, first, blocks)
                 assert seq.num_imported_tokens == len(ref.prompt)
                 compare(seq.output_token_ids, ref)
-        imports = tp2.engine.rank_imports()
         blocks = sum(-(-len(r.prompt) // 16) for r in ways[0])
         half = full.block_bytes // 2
-        assert imports == {0: (blocks, blocks * half), 1: (blocks, blocks * half)}
+        assert tp2.stats().rank_imports == ((0, blocks, blocks * half), (1, blocks, blocks * half))
         for llm in (tp1, tp2):
             llm.check_integrity()
 

@@ -22,6 +22,8 @@ from pdserve.testing.reference import compare, hf_greedy, random_prompts
 from pdserve.testing.tiny_models import build_tiny_checkpoint
 from tests.helpers.clusters import running, start_kvstore
 from tests.helpers.flags import engine_flags
+from tests.helpers.streams import stream_greedy
+from tests.helpers.up_process import alive
 
 LENGTHS = [1, 40, 70, 130]
 MAX_NEW = 160
@@ -42,36 +44,6 @@ def followers_of(pid: int) -> list[int]:
         if ppid == pid and b"tp_follower" in cmdline:
             found.append(int(entry.name))
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-async def _stream(client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event):
-    tokens: list[int] = []
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": MAX_NEW,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-    }
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
-                tokens.extend(choice.get("token_ids") or [])
-                if len(tokens) >= 3:
-                    started.set()
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +82,7 @@ def test_a_killed_rank_takes_its_worker_out_and_its_streams_move(qwen3, redis_se
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
                 started = [asyncio.Event() for _ in refs]
                 tasks = [
-                    asyncio.create_task(_stream(http, r.prompt, e))
+                    asyncio.create_task(stream_greedy(http, r.prompt, MAX_NEW, e))
                     for r, e in zip(refs, started, strict=True)
                 ]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)

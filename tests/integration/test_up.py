@@ -8,8 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,14 @@ import httpx
 
 from pdserve.testing.metrics import metric
 from tests.helpers.flags import engine_flags
-from tests.helpers.up_process import alive, descendants, read_until, start_up, stderr_of
+from tests.helpers.up_process import (
+    alive,
+    descendants,
+    read_until,
+    start_up,
+    status,
+    stderr_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = engine_flags(num_kv_blocks=64, max_model_len=256)
@@ -61,16 +66,7 @@ def test_up_serves_a_chat_request_and_ctrl_c_stops_everything(tiny_chat_llama_pa
         # `pdserve status` finds the cluster without flags.
         deadline = time.monotonic() + 5
         while True:
-            status = subprocess.run(
-                [sys.executable, "-m", "pdserve.cli", "status", "--json"],
-                cwd=ROOT,
-                env={**os.environ, **runtime},
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            assert status.returncode == 0, status.stderr
-            body = json.loads(status.stdout)
+            body = status(env=runtime)
             pools = body["pools"]
             decode = pools["decode"]["workers"]
             if (decode and decode[0]["requests_total"] >= 1) or time.monotonic() > deadline:
@@ -133,15 +129,7 @@ def test_up_refuses_a_missing_model_before_starting_anything(tmp_path):
 
 
 def _status(redis_url: str) -> dict:
-    status = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "status", "--redis-url", redis_url, "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert status.returncode == 0, status.stderr
-    return json.loads(status.stdout)["pools"]
+    return status("--redis-url", redis_url)["pools"]
 
 
 def _chat(rest: str) -> httpx.Response:

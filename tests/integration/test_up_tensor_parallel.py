@@ -6,7 +6,6 @@ counted by each rank), and Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
@@ -18,7 +17,7 @@ from pdserve.testing.metrics import metric
 from pdserve.testing.reference import compare, hf_greedy, random_prompts
 from pdserve.testing.tiny_models import build_tiny_checkpoint
 from tests.helpers.flags import engine_flags
-from tests.helpers.up_process import alive, descendants, read_until, start_up
+from tests.helpers.up_process import alive, descendants, read_until, start_up, status
 
 MAX_NEW = 24
 
@@ -87,17 +86,5 @@ def test_up_with_a_tp_size_per_pool_is_exact(qwen3, tmp_path, prefill_tp, decode
 
 def _worker(tmp_path, role: str) -> dict:
     """The pool's one worker as `pdserve status --json` shows it."""
-    import json
-    import subprocess
-    import sys
-
-    status = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "status", "--json"],
-        env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert status.returncode == 0, status.stderr
-    (worker,) = json.loads(status.stdout)["pools"][role]["workers"]
+    (worker,) = status(env={"XDG_RUNTIME_DIR": str(tmp_path / "run")})["pools"][role]["workers"]
     return worker
