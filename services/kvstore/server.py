@@ -1,12 +1,15 @@
-"""The kvstore service: streamed puts and gets of KV blocks over one in-memory BlockStore.
+"""The kvstore service: streamed puts and gets of KV blocks over one in-memory BlockStore,
+and an optional disk tier below it.
 
 pdserve kvstore --port 50061 --capacity-bytes 2GiB [--block-lease 60] [--redis-url URL]
-                [--block-layout L]
+                [--block-layout L] [--disk-path DIR [--disk-capacity-bytes 8GiB]]
 
 The store's block layout is ``--block-layout``, or the first put's; with an internal
 token, only a caller holding it can make that first put. A block no get has taken within
 ``--block-lease`` seconds of its put expires (a timer looks every quarter lease, at most
 every 5 s, so it goes within 1.25 leases); a get drops the blocks it names single-use.
+With ``--disk-path``, what LRU evicts from memory is written there, and a get that misses
+memory reads it there (in a thread) and promotes it back.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -23,6 +27,7 @@ from pdserve.controlplane.publisher import publisher_for
 from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout, LayoutMismatch, show_key
 from pdserve.kv.client import batched_by_bytes
 from pdserve.kv.convert import layout_from_proto
+from pdserve.kvstore.disk import DiskTier, open_disk_tier
 from pdserve.kvstore.metrics import KVStoreMetrics
 from pdserve.kvstore.store import BlockStore, StoredBlock, layout_from_text, layout_to_text
 from pdserve.runtime import tracing
@@ -40,11 +45,18 @@ SERVICE_NAME = "pdserve.v1.KVStore"
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    """PutBlocks, GetBlocks and Stat over one BlockStore (one event loop: no locks)."""
+    """PutBlocks, GetBlocks and Stat over one BlockStore (one event loop: no locks) and the
+    DiskTier its evictions go to, if any."""
 
-    def __init__(self, store: BlockStore, metrics: KVStoreMetrics | None = None) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        metrics: KVStoreMetrics | None = None,
+        disk: DiskTier | None = None,
+    ) -> None:
         self._store = store
-        self.metrics = metrics or KVStoreMetrics(store)
+        self._disk = disk
+        self.metrics = metrics or KVStoreMetrics(store, disk)
 
     async def PutBlocks(
         self,
@@ -132,15 +144,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self._store.check_layout(layout)
         except LayoutMismatch as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        found: list[tuple[bytes, StoredBlock]] = []
-        missing: list[bytes] = []
         single_use = set(request.single_use)
+        held: dict[bytes, StoredBlock] = {}
         for key in request.keys:
             stored = self._store.get(layout, key, single_use=key in single_use)
-            if stored is None:
-                missing.append(key)
-            else:
-                found.append((key, stored))
+            if stored is not None:
+                held[key] = stored
+        if self._disk is not None and len(held) < len(request.keys):
+            held.update(await self._from_disk(layout, request.keys, held, single_use))
+        found = [(key, held[key]) for key in request.keys if key in held]
+        missing = [key for key in request.keys if key not in held]
         # Each message is built as it goes: protobuf copies every block's data into it.
         batches = list(batched_by_bytes(found, lambda b: len(b[1].data), STREAM_CHUNK_BYTES))
         batches = batches or [[]]
@@ -156,11 +169,42 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 }
             )
 
+    async def _from_disk(
+        self,
+        layout: BlockLayout,
+        keys: Sequence[bytes],
+        held: dict[bytes, StoredBlock],
+        single_use: set[bytes],
+    ) -> dict[bytes, StoredBlock]:
+        """The blocks of ``keys`` not ``held`` in memory that the disk tier has, promoted
+        back into memory (a single-use one is served and deleted)."""
+        wanted = [key for key in keys if key not in held and key in self._disk]
+        if not wanted:  # a miss everywhere costs no thread
+            return {}
+        found = await asyncio.to_thread(self._disk.read_many, wanted)
+        for key, block in found.items():
+            self._store.promote(layout, key, block, single_use=key in single_use)
+            if key in single_use:
+                self._disk.discard(key)
+        return found
+
     async def Stat(
         self, request: kvstore_pb2.StatRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.StatResponse:
-        s = self._store
+        s, d = self._store, self._disk
         s.expire()
+        disk = {}
+        if d is not None:
+            disk = {
+                "disk_blocks": d.num_blocks,
+                "disk_bytes_used": d.bytes_used,
+                "disk_capacity_bytes": d.capacity_bytes,
+                "disk_hits": d.hits,
+                "disk_writes": d.writes,
+                "disk_writes_dropped": d.writes_dropped,
+                "disk_damaged": d.damaged,
+                "disk_evictions": d.evictions,
+            }
         return kvstore_pb2.StatResponse(
             num_blocks=s.num_blocks,
             bytes_used=s.bytes_used,
@@ -175,6 +219,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             expired=s.expired,
             dropped=s.dropped,
             num_leased=s.num_leased,
+            **disk,
         )
 
 
@@ -229,8 +274,16 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
     trust = load_trust(settings.security)
     layout = layout_from_text(settings.block_layout) if settings.block_layout else None
     lease = settings.block_lease or None
-    store = BlockStore(settings.capacity, layout, lease)
-    servicer = KVStoreServicer(store)
+    disk = None
+    if settings.disk_path:
+        disk = await asyncio.to_thread(
+            open_disk_tier, Path(settings.disk_path), settings.disk_capacity, layout
+        )
+        layout = disk.layout
+        disk.start()
+        resources.push_async_callback(asyncio.to_thread, disk.close)  # after the server stops
+    store = BlockStore(settings.capacity, layout, lease, on_evict=disk.offer if disk else None)
+    servicer = KVStoreServicer(store, disk=disk)
     metrics_server = start_metrics(settings, servicer.metrics.registry, resources)
     host = settings.server.host
     server, port = await start_server(  # OSError when it cannot bind
@@ -245,11 +298,12 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         timer = asyncio.create_task(expire_leases(store, lease_check_period(lease)))
         resources.callback(timer.cancel)
     logger.info(
-        "kvstore on %s, capacity %d bytes, block lease %s, block layout %s; %s",
+        "kvstore on %s, capacity %d bytes, block lease %s, block layout %s, %s; %s",
         host_port(host, port),
         store.capacity_bytes,
         f"{lease:g} s" if lease else "off",
         layout_to_text(layout) if layout else "from the first put",
+        _describe(disk),
         trust.describe(),
     )
 
@@ -275,6 +329,15 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
     return serving
 
 
+def _describe(disk: DiskTier | None) -> str:
+    if disk is None:
+        return "no disk tier"
+    return (
+        f"disk tier {disk.root} of {disk.capacity_bytes} bytes holding {disk.num_blocks} "
+        f"blocks, {disk.bytes_used} bytes"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`pdserve kvstore`."""
     return run_service(
@@ -282,8 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         KVStoreSettings,
         argv,
         "Serve the KV block store: prefill workers put a prompt's KV blocks, decode workers "
-        "get them; least recently used blocks go first when --capacity-bytes is full, and a "
-        "block no get took within --block-lease expires.",
+        "get them; least recently used blocks go first when --capacity-bytes is full (to "
+        "--disk-path, if given), and a block no get took within --block-lease expires.",
         start,
     )
 

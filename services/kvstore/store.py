@@ -3,7 +3,8 @@
 A block nobody has fetched yet holds a lease: if no get takes it within ``lease_s`` of
 its (last) put, it expires, for the decode worker it was pushed for will never ask. Once
 fetched, a block is a shared prefix like any other and leaves only by LRU, unless the get
-named it single-use (a request's tail block), which drops it once read.
+named it single-use (a request's tail block), which drops it once read. What LRU evicts
+goes to ``on_evict`` (the disk tier, ``disk.py``); what expires or is dropped is dead.
 
 Pure Python, no gRPC: keys and values are ``bytes``; the ``bytes`` objects handed in
 are kept as they are, never copied.
@@ -39,6 +40,9 @@ class BlockStore:
     ``lease_s``: seconds a put block waits for its first get before it expires (None: no
     lease, only LRU). Expiry happens in ``expire`` (called by every put, get and by the
     server's timer), by ``clock`` (monotonic seconds).
+
+    ``on_evict(layout, key, block)``: called with each block LRU evicts (not those that
+    expire or are dropped), e.g. to keep it in a slower tier.
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class BlockStore:
         layout: BlockLayout | None = None,
         lease_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[BlockLayout, bytes, StoredBlock], None] | None = None,
     ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"the store's capacity must be at least 1 byte, got {capacity_bytes}")
@@ -56,6 +61,7 @@ class BlockStore:
         self.layout = layout
         self.lease_s = lease_s
         self._clock = clock
+        self._on_evict = on_evict
         # Least recently used first.
         self._blocks: OrderedDict[bytes, StoredBlock] = OrderedDict()
         # Blocks never fetched since their last put -> when their lease ends; soonest first
@@ -125,11 +131,7 @@ class BlockStore:
         old = self._blocks.pop(key, None)
         if old is not None:
             self.bytes_used -= len(old.data)
-        while self.bytes_used + len(data) > self.capacity_bytes:
-            evicted_key, evicted = self._blocks.popitem(last=False)
-            self._leases.pop(evicted_key, None)
-            self.bytes_used -= len(evicted.data)
-            self.evictions += 1
+        self._make_room(len(data))
         self._blocks[key] = StoredBlock(data, num_tokens, checksum)
         if self.lease_s is not None and (old is None or key in self._leases):
             self._leases.pop(key, None)
@@ -157,6 +159,35 @@ class BlockStore:
         self.bytes_out += len(block.data)
         self.blocks_out += 1
         return block
+
+    def promote(
+        self, layout: BlockLayout, key: bytes, block: StoredBlock, single_use: bool = False
+    ) -> None:
+        """Count ``block``, found in a slower tier after ``get`` missed it, as served, and
+        hold it again as most recently used, with no lease (a get took it): unless it is
+        ``single_use`` (dropped), held already (put meanwhile), or too big for the store."""
+        self.check_layout(layout)
+        self.bytes_out += len(block.data)
+        self.blocks_out += 1
+        if single_use:
+            self.dropped += 1
+            return
+        if key in self._blocks or len(block.data) > self.capacity_bytes:
+            return
+        self.expire()
+        self._make_room(len(block.data))
+        self._blocks[key] = block
+        self.bytes_used += len(block.data)
+
+    def _make_room(self, size: int) -> None:
+        """Evict least recently used blocks until ``size`` more bytes fit."""
+        while self.bytes_used + size > self.capacity_bytes:
+            evicted_key, evicted = self._blocks.popitem(last=False)
+            self._leases.pop(evicted_key, None)
+            self.bytes_used -= len(evicted.data)
+            self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(self.layout, evicted_key, evicted)
 
     def expire(self) -> int:
         """Drop the blocks whose lease has ended unfetched; how many."""

@@ -9,6 +9,7 @@ with its ``server`` group and end with ``log``, so every ``--help`` reads the sa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -149,6 +150,17 @@ class KVStoreSettings:
         "seconds a put block waits for its first get before it expires (the decode worker it "
         "was pushed for never asked); a fetched block stays until LRU evicts it; 0: no lease",
     )
+    disk_path: str | None = setting(
+        None,
+        "a directory for a disk tier: blocks LRU evicts from memory are written there (one "
+        "checksummed file each) and served from there when a get misses memory; a kvstore "
+        "started again on it serves them again (it keeps one block layout: another "
+        "--block-layout is refused); default: no disk tier",
+    )
+    disk_capacity_bytes: str = setting(
+        "8GiB",
+        "disk for the --disk-path tier's files, e.g. 8GiB; least recently used out first",
+    )
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     tracing: TracingSettings = setting(default_factory=TracingSettings)
     metrics: MetricsSettings = setting(default_factory=MetricsSettings)
@@ -162,11 +174,25 @@ class KVStoreSettings:
             self.block_lease >= 0,
             f"--block-lease must be 0 (no lease) or positive seconds, got {self.block_lease}",
         )
+        disk = size_setting("--disk-capacity-bytes", self.disk_capacity_bytes)
+        check(
+            disk >= 1,
+            f"--disk-capacity-bytes must be positive, got {self.disk_capacity_bytes}",
+        )
+        check(
+            not (self.disk_path and os.path.isfile(self.disk_path)),
+            f"--disk-path must be a directory (or where to make one), not the file {self.disk_path}",
+        )
 
     @property
     def capacity(self) -> int:
         """``--capacity-bytes`` in bytes."""
         return parse_size(self.capacity_bytes)
+
+    @property
+    def disk_capacity(self) -> int:
+        """``--disk-capacity-bytes`` in bytes."""
+        return parse_size(self.disk_capacity_bytes)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class StatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("num_blocks", "bytes_used", "capacity_bytes", "bytes_in", "bytes_out", "blocks_in", "blocks_out", "hits", "misses", "evictions", "expired", "dropped", "num_leased")
+    __slots__ = ("num_blocks", "bytes_used", "capacity_bytes", "bytes_in", "bytes_out", "blocks_in", "blocks_out", "hits", "misses", "evictions", "expired", "dropped", "num_leased", "disk_blocks", "disk_bytes_used", "disk_capacity_bytes", "disk_hits", "disk_writes", "disk_writes_dropped", "disk_damaged", "disk_evictions")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,14 @@ class StatResponse(_message.Message):
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASED_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DISK_DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     bytes_used: int
     capacity_bytes: int
@@ -73,4 +81,12 @@ class StatResponse(_message.Message):
     expired: int
     dropped: int
     num_leased: int
-    def __init__(self, num_blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., blocks_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., expired: _Optional[int] = ..., dropped: _Optional[int] = ..., num_leased: _Optional[int] = ...) -> None: ...
+    disk_blocks: int
+    disk_bytes_used: int
+    disk_capacity_bytes: int
+    disk_hits: int
+    disk_writes: int
+    disk_writes_dropped: int
+    disk_damaged: int
+    disk_evictions: int
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., blocks_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., expired: _Optional[int] = ..., dropped: _Optional[int] = ..., num_leased: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_bytes_used: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_writes: _Optional[int] = ..., disk_writes_dropped: _Optional[int] = ..., disk_damaged: _Optional[int] = ..., disk_evictions: _Optional[int] = ...) -> None: ...

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class KVStoreStub:
-    """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first.
+    """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first
+    (to a disk tier, if the store has one: --disk-path).
     A block that no GetBlocks has taken within the store's lease (--block-lease) of its put
     expires; once taken, it stays until LRU evicts it, unless the get named it single-use.
     """
@@ -55,7 +56,8 @@ class KVStoreStub:
 
 
 class KVStoreServicer:
-    """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first.
+    """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first
+    (to a disk tier, if the store has one: --disk-path).
     A block that no GetBlocks has taken within the store's lease (--block-lease) of its put
     expires; once taken, it stays until LRU evicts it, unless the get named it single-use.
     """
@@ -107,7 +109,8 @@ def add_KVStoreServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVStore:
-    """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first.
+    """KV-transfer service: blocks in memory up to a byte capacity, least recently used out first
+    (to a disk tier, if the store has one: --disk-path).
     A block that no GetBlocks has taken within the store's lease (--block-lease) of its put
     expires; once taken, it stays until LRU evicts it, unless the get named it single-use.
     """

@@ -300,3 +300,44 @@ def test_without_a_lease_nothing_expires():
     assert (store.num_leased, store.expire()) == (0, 0)
     with pytest.raises(ValueError, match="positive seconds or None, got 0"):
         BlockStore(100, lease_s=0)
+
+
+# -- evictions to a slower tier -----------------------------------------------------------
+
+
+def test_only_lru_evictions_go_to_on_evict():
+    evicted = []
+    clock = Clock()
+    store = BlockStore(
+        30,
+        lease_s=10.0,
+        clock=clock,
+        on_evict=lambda layout, key, block: evicted.append((layout, key, block.data)),
+    )
+    put(store, b"expires", 10)
+    put(store, b"dropped", 10)
+    store.get(LAYOUT, b"dropped", single_use=True)
+    clock.now += 10
+    assert store.expire() == 1 and evicted == []  # expired and dropped blocks are dead
+    for key in (b"a", b"b", b"c", b"d"):
+        put(store, key, 10)
+    assert evicted == [(LAYOUT, b"a", b"a" * 10)]
+    put(store, b"d", 10)  # replacing a block evicts nothing
+    assert [key for _, key, _ in evicted] == [b"a"]
+
+
+def test_promote_counts_a_block_served_and_holds_it_most_recent_without_a_lease():
+    evicted = []
+    store = BlockStore(20, lease_s=10.0, on_evict=lambda layout, key, b: evicted.append(key))
+    put(store, b"a", 10)
+    put(store, b"b", 10)
+    store.promote(LAYOUT, b"c", StoredBlock(b"c" * 10, 16, 7))
+    assert store.lru_order() == [b"b", b"c"] and evicted == [b"a"]
+    assert (store.blocks_out, store.bytes_out, store.hits, store.num_leased) == (1, 10, 0, 1)
+    assert store.get(LAYOUT, b"c") == StoredBlock(b"c" * 10, 16, 7)
+
+    store.promote(LAYOUT, b"tail", StoredBlock(b"t" * 5, 3), single_use=True)
+    assert b"tail" not in store and store.dropped == 1
+    store.promote(LAYOUT, b"huge", StoredBlock(b"h" * 21, 16))  # served, not held
+    assert b"huge" not in store and store.blocks_out == 4
+    store.check_integrity()
