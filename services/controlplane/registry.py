@@ -66,6 +66,10 @@ class WorkerInfo:
     tensor_parallel_size: int = 1
     capacity_bytes: int = 0  # kvstore
     metrics_address: str = ""  # HOST:PORT of its Prometheus /metrics ("" when off)
+    # --kv-transport nixl: its NIXL agent's name and metadata (base64); "": KV over gRPC.
+    # A decode worker reads blocks only from agents whose metadata a signed entry gave.
+    nixl_agent: str = ""
+    nixl_metadata: str = ""
     # load
     num_running: int = 0
     num_waiting: int = 0

@@ -50,6 +50,7 @@ from pdserve.wire.convert import (
     sampling_from_proto,
 )
 from pdserve.worker.grammars import GrammarPreparer
+from pdserve.worker.nixl import NixlEndpoint, NixlReadError, block_bytes_of, open_endpoint
 from pdserve.worker.runtime import (
     error_status,
     prepare_grammar,
@@ -78,12 +79,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         metrics: WorkerMetrics | None = None,
         worker_id: str = "",
         grammars: GrammarPreparer | None = None,
+        nixl: NixlEndpoint | None = None,
+        view: RegistryView | None = None,
     ) -> None:
         self.engine = engine
+        self.nixl = nixl
+        self.view = view  # where a NIXL read finds its prefill worker's agent
         self.grammars = grammars
         self.metrics = metrics or WorkerMetrics(engine, "decode")
         self.worker_id = worker_id
         self.layout = engine.info.layout
+        self.layout_bytes = block_bytes_of(self.layout)
         self.layout_proto = layout_to_proto(self.layout)
         self.known_kvstores = kvstores
         self.trust = trust
@@ -153,6 +159,71 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             fetched.merge(result)
         return fetched
 
+    async def _read_nixl(
+        self, request: decode_pb2.DecodeRequest, keys: list[bytes], num_local: int
+    ) -> FetchedBlocks:
+        """The blocks after the first ``num_local`` read from the prefill worker's memory
+        over NIXL, each checked against its checksum; nothing (the kvstore, else a
+        recompute, brings them) when the read cannot be made or fails."""
+        source = request.nixl
+        why = None
+        peer = None
+        if self.nixl is None:
+            why = "this worker reads KV over gRPC (--kv-transport)"
+        elif len(source.addresses) != len(keys) or len(source.checksums) != len(keys):
+            why = f"the hand-over names {len(source.addresses)} addresses for {len(keys)} blocks"
+        elif source.block_bytes != self.nixl.block_bytes:
+            why = (
+                f"its blocks have {source.block_bytes} bytes, this worker's {self.nixl.block_bytes}"
+            )
+        else:
+            peer = next(
+                (w for w in self.view.workers("prefill") if w.worker_id == source.worker_id), None
+            )
+            if peer is None or not peer.nixl_metadata:
+                why = f"prefill worker {source.worker_id} is not in the registry with a NIXL agent"
+            elif peer.nixl_agent != source.agent_name:
+                why = f"prefill worker {source.worker_id}'s NIXL agent is not {source.agent_name}"
+        if why is not None:
+            logger.warning("request %s: no NIXL read: %s", request.request_id, why)
+            return FetchedBlocks()
+        bs, n = self.layout.block_size, len(request.prompt_token_ids)
+        wanted = [
+            (keys[i], source.addresses[i], source.checksums[i], bs if (i + 1) * bs <= n else n % bs)
+            for i in range(num_local, len(keys))
+        ]
+        began = time.perf_counter()
+        try:
+            fetched = await self.nixl.read(
+                peer.worker_id,
+                peer.nixl_agent,
+                peer.nixl_metadata,
+                source.lease,
+                wanted,
+                self.fetch_timeout_s,
+            )
+        except NixlReadError as e:
+            self.metrics.transfer_failed("nixl_read")
+            logger.warning(
+                "request %s: NIXL read of %d blocks from %s failed (%s); the kvstore or a "
+                "recompute brings them",
+                request.request_id,
+                len(wanted),
+                source.worker_id,
+                e,
+            )
+            return FetchedBlocks()
+        if fetched.rejected:
+            logger.warning(
+                "request %s: %d blocks read over NIXL failed their checksum; recomputing them",
+                request.request_id,
+                len(fetched.rejected),
+            )
+        num_bytes = len(fetched.found) * self.nixl.block_bytes
+        elapsed = time.perf_counter() - began
+        self.metrics.transfer("nixl_read", len(fetched.found), num_bytes, elapsed)
+        return fetched
+
     async def _handover(
         self,
         request: decode_pb2.DecodeRequest,
@@ -196,20 +267,39 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             )
 
         async def fetch(num_local: int) -> FetchedBlocks:
-            if not request.kvstore_address and not request.block_kvstore_addresses:
+            nixl = request.HasField("nixl")
+            if not request.kvstore_address and not request.block_kvstore_addresses and not nixl:
                 record.fetched_at = time.time()
                 return FetchedBlocks()
             with tracing.start_span("decode.kv_fetch", record.span, kind=tracing.CLIENT) as span:
                 began = time.perf_counter()
-                fetched = await self._fetch(
-                    request.request_id,
-                    keys[num_local:],
-                    addresses[num_local:],
-                    tracing.grpc_metadata(span),
-                )
+                fetched = FetchedBlocks()
+                if nixl:  # counted as nixl_read
+                    fetched = await self._read_nixl(request, keys, num_local)
+                num_read = len(fetched.found)
+                rest = [
+                    (k, a)
+                    for k, a in zip(keys[num_local:], addresses[num_local:], strict=True)
+                    if a and k not in fetched.found
+                ]
+                if rest:
+                    fetched.merge(
+                        await self._fetch(
+                            request.request_id,
+                            [k for k, _ in rest],
+                            [a for _, a in rest],
+                            tracing.grpc_metadata(span),
+                        )
+                    )
                 num_bytes = sum(len(data) for data in fetched.found.values())
                 blocks = len(fetched.found)
-                self.metrics.transfer("fetch", blocks, num_bytes, time.perf_counter() - began)
+                if rest or not nixl:
+                    self.metrics.transfer(
+                        "fetch",
+                        blocks - num_read,
+                        num_bytes - num_read * self.layout_bytes,
+                        time.perf_counter() - began,
+                    )
                 if span.is_recording():
                     transferred = {
                         "pdserve.transferred_blocks": blocks,
@@ -346,8 +436,19 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         resources.push_async_callback(view.close)
     kvstores = KnownKVStores(settings.kvstore, view)
     metrics, worker_id = WorkerMetrics(engine, "decode"), new_worker_id("decode")
+    nixl = open_endpoint(
+        "decode", settings.transport, engine.info.layout, worker_id, view is not None, resources
+    )
     servicer = DecodeServicer(
-        engine, kvstores, trust, settings.kv_fetch_timeout, metrics, worker_id, grammars
+        engine,
+        kvstores,
+        trust,
+        settings.kv_fetch_timeout,
+        metrics,
+        worker_id,
+        grammars,
+        nixl,
+        view,
     )
     resources.push_async_callback(servicer.close)
     return await serve_engine(
@@ -360,6 +461,7 @@ async def start(settings: DecodeSettings, resources: contextlib.AsyncExitStack) 
         trust,
         metrics,
         worker_id,
+        nixl.entry_fields() if nixl is not None else None,
     )
 
 

@@ -186,14 +186,15 @@ class AsyncEngine:
                 )
             )
             fetched = await handover.fetch(num_local)
-            await self.call(
-                lambda e: self._open(
-                    e.finish_import(request_id, fetched.found, len(fetched.rejected)),
-                    loop,
-                    out,
-                    sent=1 + len(handover.resumed),
-                )
-            )
+
+            def finish(e: LLMEngine) -> None:
+                try:
+                    seq = e.finish_import(request_id, fetched.found, len(fetched.rejected))
+                finally:
+                    fetched.done()  # on this thread: the import has copied the bytes
+                self._open(seq, loop, out, sent=1 + len(handover.resumed))
+
+            await self.call(finish)
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run ``fn(engine)`` on the engine thread and return its result (or raise its error)."""

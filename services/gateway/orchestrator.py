@@ -139,7 +139,9 @@ class Orchestrator:
         uncached = len(prompt) - route.cached_tokens
         if self.disaggregation and uncached >= self.local_prefill_threshold:
             try:
-                prefill = await self._prefill(request_id, prompt, params, moves, span)
+                # The decode worker reads the blocks over NIXL if its entry offers it.
+                nixl = bool(route.worker.nixl_agent)
+                prefill = await self._prefill(request_id, prompt, params, moves, span, nixl)
             except (grpc.aio.AioRpcError, NoWorkerError) as error:
                 if isinstance(error, grpc.aio.AioRpcError) and error.code() in _NO_FALLBACK:
                     raise
@@ -323,9 +325,13 @@ class Orchestrator:
         params: common_pb2.SamplingParams,
         moves: list[str],
         span: Any = tracing.NO_SPAN,
+        decode_reads_nixl: bool = False,
     ) -> prefill_pb2.PrefillResponse:
         request = prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt, params=params
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            decode_reads_nixl=decode_reads_nixl,
         )
         with tracing.start_span("gateway.route", span):
             route = await self.router.pick("prefill", prompt)
@@ -451,3 +457,5 @@ def _hand_over(prefill: prefill_pb2.PrefillResponse, request: decode_pb2.DecodeR
     request.kvstore_address = prefill.kvstore_address
     request.layout.CopyFrom(prefill.layout)
     request.block_kvstore_addresses.extend(prefill.block_kvstore_addresses)
+    if prefill.HasField("nixl"):
+        request.nixl.CopyFrom(prefill.nixl)

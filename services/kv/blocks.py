@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, fields
 
 # 2: every block carries its own layout header and a CRC-32 checksum.
@@ -147,9 +148,23 @@ class FetchedBlocks:
     found: dict[bytes, bytes] = field(default_factory=dict)
     rejected: dict[bytes, str] = field(default_factory=dict)
     missing: list[bytes] = field(default_factory=list)
+    # Called once the blocks are imported (or given up): a NIXL read's buffer slots.
+    _on_done: list[Callable[[], object]] = field(default_factory=list, repr=False)
 
     def merge(self, other: FetchedBlocks) -> None:
         """Add ``other``'s blocks (a fetch from another replica) to these."""
         self.found.update(other.found)
         self.rejected.update(other.rejected)
         self.missing.extend(other.missing)
+        self._on_done.extend(other._on_done)
+
+    def on_done(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` when ``done()`` is called: ``found`` is not read after it."""
+        self._on_done.append(fn)
+
+    def done(self) -> None:
+        """The blocks' bytes are no longer needed (imported, or given up)."""
+        callbacks = list(self._on_done)
+        self._on_done.clear()
+        for fn in callbacks:
+            fn()

@@ -5,10 +5,12 @@ pdserve prefill --port 50071 --kvstore HOST:PORT   (or --redis-url URL)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -18,16 +20,17 @@ from pdserve.controlplane.signing import Verifier
 from pdserve.controlplane.view import RegistryView
 from pdserve.core.finish_reason import FinishReason
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.kv.blocks import ExportedBlock
+from pdserve.kv.blocks import ExportedBlock, tail_key
 from pdserve.kv.client import KVStorePlacement
 from pdserve.kv.convert import layout_to_proto
 from pdserve.runtime import tracing
 from pdserve.runtime.service import Serving, run_service
 from pdserve.runtime.trust import load_trust
 from pdserve.settings.services import PrefillSettings
-from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.wire.convert import finish_reason_to_proto, logprob_to_proto, sampling_from_proto
 from pdserve.worker.grammars import GrammarPreparer
+from pdserve.worker.nixl import NixlEndpoint, Staged, open_endpoint
 from pdserve.worker.runtime import (
     error_status,
     prepare_grammar,
@@ -52,6 +55,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         metrics: WorkerMetrics | None = None,
         worker_id: str = "",
         grammars: GrammarPreparer | None = None,
+        nixl: NixlEndpoint | None = None,
     ) -> None:
         self.engine = engine
         self.grammars = grammars
@@ -60,6 +64,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.layout = layout_to_proto(engine.info.layout)
         self.metrics = metrics or WorkerMetrics(engine, "prefill")
         self.worker_id = worker_id
+        self.nixl = nixl
+        self._pushes: set[asyncio.Task] = set()  # kvstore pushes after a NIXL answer
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -97,7 +103,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if last.finish_reason is FinishReason.ERROR:
             await context.abort(*error_status(request.request_id, last.error))
         blocks = last.exported or []  # only a PREFILLED request has any
-        addresses = await self._push(request.request_id, blocks, record.span) if blocks else []
+        staged = None
+        if blocks and self.nixl is not None and request.decode_reads_nixl:
+            staged = await self._stage(request.request_id, blocks)
+        if staged is not None:
+            addresses = self._push_later(request.request_id, blocks, record.span)
+        elif blocks:
+            addresses = await self._push(request.request_id, blocks, record.span)
+        else:
+            addresses = []
         response = prefill_pb2.PrefillResponse(
             first_token_id=last.token_ids[0],
             block_keys=[b.key for b in blocks],
@@ -108,11 +122,66 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             layout=self.layout,
             finish_reason=finish_reason_to_proto(last.finish_reason),
         )
+        if staged is not None:
+            response.nixl.CopyFrom(
+                common_pb2.NixlSource(
+                    worker_id=self.worker_id,
+                    agent_name=self.nixl.name,
+                    addresses=staged.addresses,
+                    checksums=staged.checksums,
+                    block_bytes=self.nixl.block_bytes,
+                    lease=staged.lease,
+                )
+            )
         if last.logprobs:
             response.first_logprob.CopyFrom(logprob_to_proto(last.logprobs[0]))
         if deltas[0].prompt_logprobs is not None:
             response.prompt_logprobs.extend(map(logprob_to_proto, deltas[0].prompt_logprobs))
         return response
+
+    async def _stage(self, request_id: str, blocks: list[ExportedBlock]) -> Staged | None:
+        """Hold ``blocks`` in NIXL-registered memory for the decode worker's read; None
+        (they go through the kvstore) when the buffer has too few free slots."""
+        began = time.perf_counter()
+        staged = await self.nixl.stage(f"{request_id}/{uuid.uuid4().hex[:8]}", blocks)
+        if staged is None:
+            self.metrics.transfer_failed("nixl_stage")
+            logger.warning(
+                "request %s: %d blocks do not fit in --nixl-buffer-bytes now; pushing them to "
+                "the kvstore",
+                request_id,
+                len(blocks),
+            )
+            return None
+        num_bytes = len(blocks) * self.nixl.block_bytes
+        self.metrics.transfer("nixl_stage", len(blocks), num_bytes, time.perf_counter() - began)
+        return staged
+
+    def _push_later(
+        self, request_id: str, blocks: list[ExportedBlock], parent: object
+    ) -> list[str]:
+        """Push the full blocks to their kvstores after the answer (the fallback of a NIXL
+        read, and the prefix tier); each block's address ("" for the tail: it is single-use
+        and travels over NIXL only)."""
+        full = [b for b in blocks if b.key != tail_key(request_id)]
+        if not full:
+            return [""] * len(blocks)
+        try:
+            keys = [b.key for b in full]
+            owners = dict(zip(keys, self.kvstores.owners(keys), strict=True))
+        except LookupError:
+            return [""] * len(blocks)
+        task = asyncio.create_task(self._push(request_id, full, parent))
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
+        return [owners.get(b.key, "") for b in blocks]
+
+    async def close(self) -> None:
+        """Stop the pushes still running, then the kvstore channels."""
+        for task in list(self._pushes):
+            task.cancel()
+        await asyncio.gather(*self._pushes, return_exceptions=True)
+        await self.kvstores.close()
 
     async def _push(
         self, request_id: str, blocks: list[ExportedBlock], parent: object
@@ -179,10 +248,17 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         resources.push_async_callback(view.close)
     placement = KVStorePlacement(settings.kvstore, view, trust)
     metrics, worker_id = WorkerMetrics(engine, "prefill"), new_worker_id("prefill")
-    servicer = PrefillServicer(
-        engine, placement, settings.kv_push_timeout, metrics, worker_id, grammars
+    has_registry = bool(settings.registry.redis.redis_url)
+    nixl = open_endpoint(
+        "prefill", settings.transport, engine.info.layout, worker_id, has_registry, resources
     )
-    resources.push_async_callback(servicer.kvstores.close)
+    servicer = PrefillServicer(
+        engine, placement, settings.kv_push_timeout, metrics, worker_id, grammars, nixl
+    )
+    resources.push_async_callback(servicer.close)
+    if nixl is not None:
+        poller = asyncio.create_task(_release_read_blocks(nixl))
+        resources.callback(poller.cancel)
     return await serve_engine(
         settings,
         resources,
@@ -193,7 +269,18 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         trust,
         metrics,
         worker_id,
+        nixl.entry_fields() if nixl is not None else None,
     )
+
+
+async def _release_read_blocks(nixl: NixlEndpoint, period_s: float = 0.02) -> None:
+    """Free staged blocks as their decode workers' reads complete (and those expired)."""
+    while True:
+        try:
+            await nixl.poll()
+        except Exception:  # noqa: BLE001 (a poll that fails is tried again)
+            logger.exception("NIXL notifications")
+        await asyncio.sleep(period_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

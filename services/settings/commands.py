@@ -18,6 +18,7 @@ from pdserve.settings.services import (
     DecodeSettings,
     GatewaySettings,
     KVStoreSettings,
+    KVTransportSettings,
     OpenAISettings,
     PrefillSettings,
     WatchdogSettings,
@@ -76,6 +77,7 @@ class UpSettings:
     )
     log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
+    transport: KVTransportSettings = setting(default_factory=KVTransportSettings)  # workers'
     engine: EngineArgs = setting(default_factory=EngineArgs)
     openai: OpenAISettings = setting(default_factory=OpenAISettings)  # the gateway's
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)

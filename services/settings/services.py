@@ -55,6 +55,41 @@ class WatchdogSettings:
 
 
 @dataclass(frozen=True)
+class KVTransportSettings:
+    """How a prompt's KV blocks go from the prefill worker to the decode worker."""
+
+    GROUP: ClassVar[str] = "kv transport"
+
+    kv_transport: str = setting(
+        "auto",
+        "how KV blocks travel between prefill and decode workers: nixl (the decode worker "
+        "reads them straight from the prefill worker's memory over NIXL: UCX's shared "
+        "memory, RDMA or TCP; needs the `pdserve[nixl]` extra and --redis-url, through "
+        "which the workers find each other's NIXL agents), grpc (through the kvstore), or "
+        "auto (nixl where it loads and the peer offers it, else grpc; the choice is "
+        "logged once). The kvstore stays the fallback and the shared prefix tier either way",
+        choices=("auto", "nixl", "grpc"),
+    )
+    nixl_buffer_bytes: str = setting(
+        "512MiB",
+        "bytes of memory registered with NIXL for blocks in flight: on a prefill worker, "
+        "the blocks waiting for their decode worker's read (held until read, at most "
+        "60 s); on a decode worker, the blocks landing before their import. A request "
+        "that does not fit goes through the kvstore",
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            size_setting("--nixl-buffer-bytes", self.nixl_buffer_bytes) >= 1 << 20,
+            f"--nixl-buffer-bytes must be at least 1MiB, got {self.nixl_buffer_bytes}",
+        )
+
+    @property
+    def nixl_buffer_size(self) -> int:
+        return parse_size(self.nixl_buffer_bytes)
+
+
+@dataclass(frozen=True)
 class PrefillSettings:
     """A prefill worker."""
 
@@ -71,6 +106,7 @@ class PrefillSettings:
         "seconds a push of a prompt's blocks to a kvstore may take; a push that fails or "
         "takes longer is given up (the decode worker recomputes those blocks)",
     )
+    transport: KVTransportSettings = setting(default_factory=KVTransportSettings)
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)
@@ -112,6 +148,7 @@ class DecodeSettings:
         "seconds a fetch of a request's blocks from a kvstore may take; a fetch that fails or "
         "takes longer costs only recomputing those blocks",
     )
+    transport: KVTransportSettings = setting(default_factory=KVTransportSettings)
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
     watchdog: WatchdogSettings = setting(default_factory=WatchdogSettings)

@@ -145,3 +145,19 @@ class Block(_message.Message):
     layout: BlockLayout
     checksum: int
     def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class NixlSource(_message.Message):
+    __slots__ = ("worker_id", "agent_name", "addresses", "checksums", "block_bytes", "lease")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    agent_name: str
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    lease: str
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., addresses: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., lease: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xf2\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x34\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobH\x01\x88\x01\x01\x12\x12\n\nblock_keys\x18\x06 \x03(\x0c\x12\x17\n\x0fkvstore_address\x18\x07 \x01(\t\x12\'\n\x06layout\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x1f\n\x17\x62lock_kvstore_addresses\x18\t \x03(\t\x12\x18\n\x10resume_token_ids\x18\n \x03(\rB\x11\n\x0f_first_token_idB\x10\n\x0e_first_logprob\"\x80\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1e\n\x16num_transferred_tokens\x18\x05 \x01(\r\x12*\n\x04spec\x18\x06 \x01(\x0b\x32\x1c.pdserve.v1.SpecDecodeCounts\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"w\n\x10SpecDecodeCounts\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x04 \x03(\r\"\x13\n\x11\x44\x65\x63odeStatRequest\"\x98\x02\n\x12\x44\x65\x63odeStatResponse\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x1a\n\x12kv_blocks_imported\x18\x07 \x01(\x04\x12\x19\n\x11kv_bytes_imported\x18\x08 \x01(\x04\x12\x1a\n\x12kv_blocks_rejected\x18\t \x01(\x04\x12\x19\n\x11kv_fetch_failures\x18\n \x01(\x04\x32\x92\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x45\n\x04Stat\x12\x1d.pdserve.v1.DecodeStatRequest\x1a\x1e.pdserve.v1.DecodeStatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x98\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x34\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobH\x01\x88\x01\x01\x12\x12\n\nblock_keys\x18\x06 \x03(\x0c\x12\x17\n\x0fkvstore_address\x18\x07 \x01(\t\x12\'\n\x06layout\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x1f\n\x17\x62lock_kvstore_addresses\x18\t \x03(\t\x12\x18\n\x10resume_token_ids\x18\n \x03(\r\x12$\n\x04nixl\x18\x0b \x01(\x0b\x32\x16.pdserve.v1.NixlSourceB\x11\n\x0f_first_token_idB\x10\n\x0e_first_logprob\"\x80\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1e\n\x16num_transferred_tokens\x18\x05 \x01(\r\x12*\n\x04spec\x18\x06 \x01(\x0b\x32\x1c.pdserve.v1.SpecDecodeCounts\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"w\n\x10SpecDecodeCounts\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x04 \x03(\r\"\x13\n\x11\x44\x65\x63odeStatRequest\"\x98\x02\n\x12\x44\x65\x63odeStatResponse\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x1a\n\x12kv_blocks_imported\x18\x07 \x01(\x04\x12\x19\n\x11kv_bytes_imported\x18\x08 \x01(\x04\x12\x1a\n\x12kv_blocks_rejected\x18\t \x01(\x04\x12\x19\n\x11kv_fetch_failures\x18\n \x01(\x04\x32\x92\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x45\n\x04Stat\x12\x1d.pdserve.v1.DecodeStatRequest\x1a\x1e.pdserve.v1.DecodeStatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=65
-  _globals['_DECODEREQUEST']._serialized_end=435
-  _globals['_DECODERESPONSE']._serialized_start=438
-  _globals['_DECODERESPONSE']._serialized_end=694
-  _globals['_SPECDECODECOUNTS']._serialized_start=696
-  _globals['_SPECDECODECOUNTS']._serialized_end=815
-  _globals['_DECODESTATREQUEST']._serialized_start=817
-  _globals['_DECODESTATREQUEST']._serialized_end=836
-  _globals['_DECODESTATRESPONSE']._serialized_start=839
-  _globals['_DECODESTATRESPONSE']._serialized_end=1119
-  _globals['_DECODE']._serialized_start=1122
-  _globals['_DECODE']._serialized_end=1268
+  _globals['_DECODEREQUEST']._serialized_end=473
+  _globals['_DECODERESPONSE']._serialized_start=476
+  _globals['_DECODERESPONSE']._serialized_end=732
+  _globals['_SPECDECODECOUNTS']._serialized_start=734
+  _globals['_SPECDECODECOUNTS']._serialized_end=853
+  _globals['_DECODESTATREQUEST']._serialized_start=855
+  _globals['_DECODESTATREQUEST']._serialized_end=874
+  _globals['_DECODESTATRESPONSE']._serialized_start=877
+  _globals['_DECODESTATRESPONSE']._serialized_end=1157
+  _globals['_DECODE']._serialized_start=1160
+  _globals['_DECODE']._serialized_end=1306
 # @@protoc_insertion_point(module_scope)

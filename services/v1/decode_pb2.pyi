@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "first_token_id", "first_logprob", "block_keys", "kvstore_address", "layout", "block_kvstore_addresses", "resume_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "first_token_id", "first_logprob", "block_keys", "kvstore_address", "layout", "block_kvstore_addresses", "resume_token_ids", "nixl")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class DecodeRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KVSTORE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -29,7 +30,8 @@ class DecodeRequest(_message.Message):
     layout: _common_pb2.BlockLayout
     block_kvstore_addresses: _containers.RepeatedScalarFieldContainer[str]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., kvstore_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_kvstore_addresses: _Optional[_Iterable[str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    nixl: _common_pb2.NixlSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., kvstore_address: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.BlockLayout, _Mapping]] = ..., block_kvstore_addresses: _Optional[_Iterable[str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., nixl: _Optional[_Union[_common_pb2.NixlSource, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens", "num_transferred_tokens", "spec", "prompt_logprobs")

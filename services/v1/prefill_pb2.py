@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"j\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xe8\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x34\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobH\x00\x88\x01\x01\x12\x12\n\nblock_keys\x18\x03 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x17\n\x0fkvstore_address\x18\x06 \x01(\t\x12\'\n\x06layout\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x1f\n\x17\x62lock_kvstore_addresses\x18\t \x03(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x10\n\x0e_first_logprob2M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x85\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11\x64\x65\x63ode_reads_nixl\x18\x04 \x01(\x08\"\x8e\x03\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x34\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprobH\x00\x88\x01\x01\x12\x12\n\nblock_keys\x18\x03 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x17\n\x0fkvstore_address\x18\x06 \x01(\t\x12\'\n\x06layout\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.BlockLayout\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x1f\n\x17\x62lock_kvstore_addresses\x18\t \x03(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12$\n\x04nixl\x18\x0b \x01(\x0b\x32\x16.pdserve.v1.NixlSourceB\x10\n\x0e_first_logprob2M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=65
-  _globals['_PREFILLREQUEST']._serialized_end=171
-  _globals['_PREFILLRESPONSE']._serialized_start=174
-  _globals['_PREFILLRESPONSE']._serialized_end=534
-  _globals['_PREFILL']._serialized_start=536
-  _globals['_PREFILL']._serialized_end=613
+  _globals['_PREFILLREQUEST']._serialized_start=66
+  _globals['_PREFILLREQUEST']._serialized_end=199
+  _globals['_PREFILLRESPONSE']._serialized_start=202
+  _globals['_PREFILLRESPONSE']._serialized_end=600
+  _globals['_PREFILL']._serialized_start=602
+  _globals['_PREFILL']._serialized_end=679
 # @@protoc_insertion_point(module_scope)

@@ -101,9 +101,11 @@ def engine_publisher(
     worker_id: str | None = None,
     metrics_address: str = "",
     token: TokenRing | None = None,
+    entry: dict | None = None,
 ) -> RegistryPublisher | None:
     """The worker's registry publisher, or None without ``--redis-url``; its entry is
-    signed with ``token``, the internal token."""
+    signed with ``token``, the internal token. ``entry``: more of the entry's fixed fields
+    (its NIXL agent)."""
     info = engine.info
 
     async def load() -> dict:
@@ -143,6 +145,7 @@ def engine_publisher(
         num_total_blocks=info.num_total_blocks,
         max_num_seqs=info.max_num_seqs,
         tensor_parallel_size=settings.engine.tensor_parallel_size,
+        **(entry or {}),
     )
 
 
@@ -156,6 +159,7 @@ async def serve_engine(
     trust: Trust,
     metrics: WorkerMetrics,
     worker_id: str,
+    entry: dict | None = None,
 ) -> Serving:
     """Serve ``engine`` as ``role`` on the settings' port, under ``trust``, and its
     ``metrics`` on ``--metrics-port``; the Serving for run_service."""
@@ -174,7 +178,9 @@ async def serve_engine(
     serving = Serving(
         server,
         port,
-        engine_publisher(settings, role, port, engine, worker_id, metrics_address, trust.tokens),
+        engine_publisher(
+            settings, role, port, engine, worker_id, metrics_address, trust.tokens, entry
+        ),
         watch=lambda: engine.watch(stall_timeout_s),
     )
     if metrics_server is not None:

@@ -60,13 +60,15 @@ class WorkerMetrics:
         by_direction = [*labels.names, "direction"]
         self.transfer_bytes = Counter(
             name("kv_transfer_bytes"),
-            "Bytes of KV blocks sent to (push) or received from (fetch) kvstores.",
+            "Bytes of KV blocks sent to (push) or received from (fetch) kvstores, staged for "
+            "(nixl_stage) or read over NIXL (nixl_read).",
             by_direction,
             registry=self.registry,
         )
         self.transfer_blocks = Counter(
             name("kv_transfer_blocks"),
-            "KV blocks sent to (push) or received from (fetch) kvstores.",
+            "KV blocks sent to (push) or received from (fetch) kvstores, staged for "
+            "(nixl_stage) or read over NIXL (nixl_read).",
             by_direction,
             registry=self.registry,
         )
@@ -79,8 +81,9 @@ class WorkerMetrics:
         )
         self.transfer_failures = Counter(
             name("kv_transfer_failures"),
-            "KV transfers to (push) or from (fetch) one kvstore that failed; their blocks "
-            "are recomputed by the decode worker.",
+            "KV transfers to (push) or from (fetch) one kvstore, or NIXL reads (nixl_read) "
+            "or stagings (nixl_stage: no slot free), that failed; their blocks come from "
+            "the kvstore or are recomputed by the decode worker.",
             by_direction,
             registry=self.registry,
         )
@@ -155,14 +158,15 @@ class WorkerMetrics:
         )
 
     def transfer(self, direction: str, blocks: int, num_bytes: int, seconds: float) -> None:
-        """Count one request's KV transfer (``direction``: push or fetch)."""
+        """Count one request's KV transfer (``direction``: push, fetch, nixl_stage,
+        nixl_read)."""
         values = (*self.labels.values, direction)
         self.transfer_blocks.labels(*values).inc(blocks)
         self.transfer_bytes.labels(*values).inc(num_bytes)
         self.transfer_seconds.labels(*values).observe(seconds)
 
     def transfer_failed(self, direction: str) -> None:
-        """Count one failed transfer with one kvstore (``direction``: push or fetch)."""
+        """Count one failed transfer (``direction``: push, fetch, nixl_stage, nixl_read)."""
         self.transfer_failures.labels(*self.labels.values, direction).inc()
 
 
