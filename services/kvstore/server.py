@@ -269,6 +269,15 @@ def _get_response(
     )
 
 
+async def _persist(store: BlockStore, disk: DiskTier) -> None:
+    """Write the blocks memory holds to the disk tier as the kvstore stops."""
+    if store.layout is None:
+        return
+    blocks = [(key, store.peek(key)) for key in store.lru_order()]
+    written = await asyncio.to_thread(disk.persist, store.layout, blocks)
+    logger.info("disk tier: wrote %d blocks held in memory as the kvstore stops", written)
+
+
 async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack) -> Serving:
     """A kvstore of ``--capacity-bytes`` serving on its port, registered when --redis-url."""
     trust = load_trust(settings.security)
@@ -283,6 +292,8 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         disk.start()
         resources.push_async_callback(asyncio.to_thread, disk.close)  # after the server stops
     store = BlockStore(settings.capacity, layout, lease, on_evict=disk.offer if disk else None)
+    if disk is not None:  # released before disk.close: memory's blocks go to disk on stop
+        resources.push_async_callback(_persist, store, disk)
     servicer = KVStoreServicer(store, disk=disk)
     metrics_server = start_metrics(settings, servicer.metrics.registry, resources)
     host = settings.server.host

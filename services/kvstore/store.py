@@ -94,6 +94,10 @@ class BlockStore:
         """Keys from least to most recently used: the next evicted comes first."""
         return list(self._blocks)
 
+    def peek(self, key: bytes) -> StoredBlock | None:
+        """The block under ``key``, its recency, lease and counters untouched."""
+        return self._blocks.get(key)
+
     def check_layout(self, layout: BlockLayout) -> None:
         """Raise LayoutMismatch if the store holds another layout; fixes nothing."""
         if self.layout is not None and layout != self.layout:
