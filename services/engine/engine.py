@@ -25,6 +25,7 @@ from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.structured_output import GrammarCompiler
 from pdserve.engine.tensor_parallel import Followers, FollowerSpec, check_divisible
 from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout, ExportedBlock, tail_key
+from pdserve.kv.hashing import prompt_block_hashes
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.sizes import parse_size
 from pdserve.settings.speculative import SpeculativeConfig
@@ -121,6 +122,7 @@ class LLMEngine:
         self._held: dict[str, Sequence] = {}  # prefilled, blocks kept for export
         self._importing: dict[str, Sequence] = {}  # prefix held, waiting for fetched blocks
         self.num_imported_blocks = 0
+        self.num_prefix_imported_blocks = 0  # from a shared prefix tier (import_prefix)
         self.num_imported_bytes = 0
         self.num_rejected_blocks = 0  # fetched but damaged: recomputed instead
         logger.info(
@@ -250,6 +252,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_imported_blocks=self.num_imported_blocks,
             num_imported_bytes=self.num_imported_bytes,
+            num_prefix_imported_blocks=self.num_prefix_imported_blocks,
             num_rejected_blocks=self.num_rejected_blocks,
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
@@ -308,6 +311,54 @@ class LLMEngine:
             return blocks
         finally:
             self.kv_cache.free(seq)
+
+    def prefix_to_fetch(self, prompt_token_ids: list[int]) -> list[bytes]:
+        """Keys of the prompt's full blocks after the run its prefix cache holds (at least
+        one token is left to compute): what a shared prefix tier may supply."""
+        if not self.kv_cache.enable_prefix_caching:
+            return []
+        bs = self.args.block_size
+        limit = (len(prompt_token_ids) - 1) // bs
+        hashes = prompt_block_hashes(
+            prompt_token_ids[: limit * bs], bs, self.kv_cache.model_fingerprint
+        )
+        held = 0
+        while held < len(hashes) and self.pool.lookup(hashes[held]) is not None:
+            held += 1
+        return [bytes(h) for h in hashes[held:]]
+
+    def import_prefix(self, prompt_token_ids: list[int], fetched: dict[bytes, bytes]) -> int:
+        """Put the fetched blocks (by key) that continue the prompt's cached prefix into the
+        prefix cache, free and cached (the request then takes them as hits); how many. Only
+        into free blocks, and none of a wrong length."""
+        bs = self.args.block_size
+        limit = (len(prompt_token_ids) - 1) // bs
+        hashes = prompt_block_hashes(
+            prompt_token_ids[: limit * bs], bs, self.kv_cache.model_fingerprint
+        )
+        blocks = []
+        for h in hashes:
+            if self.pool.lookup(h) is not None:
+                if blocks:
+                    break  # a cached block after a fetched run: the run ends there
+                continue
+            data = fetched.get(bytes(h))
+            if data is None or len(data) != self.block_bytes:
+                break
+            blocks.append((h, data))
+        if not blocks or len(blocks) > self.pool.num_free_blocks:
+            return 0
+        ids = self.pool.allocate(len(blocks))
+        try:
+            self.runner.write_blocks([(i, data) for i, (_, data) in zip(ids, blocks, strict=True)])
+        except BaseException:
+            self.pool.free(ids)
+            raise
+        for block_id, (h, _) in zip(ids, blocks, strict=True):
+            self.pool.cache(block_id, h)
+        self.pool.free(reversed(ids))  # the prefix's first blocks are evicted last
+        self.num_prefix_imported_blocks += len(blocks)
+        return len(blocks)
 
     def drain_block_events(self, full: bool) -> tuple[list[bytes], list[bytes]]:
         """Hashes the prefix cache stored and evicted since the last call, for a prefix index;

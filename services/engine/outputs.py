@@ -93,6 +93,7 @@ class EngineStats:
     num_waiting: int
     num_imported_blocks: int = 0
     num_imported_bytes: int = 0
+    num_prefix_imported_blocks: int = 0  # prefix blocks a shared tier supplied
     num_rejected_blocks: int = 0  # fetched with a wrong header, length or checksum
     # Speculative decoding (vLLM's spec_decode_* counters); zero without it.
     spec_num_drafts: int = 0

@@ -56,6 +56,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         worker_id: str = "",
         grammars: GrammarPreparer | None = None,
         nixl: NixlEndpoint | None = None,
+        prefix_fetch_timeout_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.grammars = grammars
@@ -65,6 +66,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics = metrics or WorkerMetrics(engine, "prefill")
         self.worker_id = worker_id
         self.nixl = nixl
+        self.prefix_fetch_timeout_s = prefix_fetch_timeout_s  # 0: no shared prefix tier
         self._pushes: set[asyncio.Task] = set()  # kvstore pushes after a NIXL answer
 
     async def Prefill(
@@ -90,6 +92,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             params = sampling_from_proto(request.params)
             await prepare_grammar(self.grammars, params, context)
+            if self.prefix_fetch_timeout_s:
+                await self._fetch_prefix(request.request_id, prompt, record.span)
             deltas = []
             async for delta in self.engine.generate(
                 request.request_id, prompt, params, prefill_only=True
@@ -138,6 +142,57 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if deltas[0].prompt_logprobs is not None:
             response.prompt_logprobs.extend(map(logprob_to_proto, deltas[0].prompt_logprobs))
         return response
+
+    async def _fetch_prefix(self, request_id: str, prompt: list[int], parent: object) -> int:
+        """The shared prefix tier: the prompt's full blocks after those this worker's
+        prefix cache holds, looked up in their kvstores (any prefill worker pushed them,
+        or the kvstore's disk kept them), checked, and the run that continues the cached
+        prefix imported into the prefix cache; how many blocks. Any failure: computed
+        here as before."""
+        keys = await self.engine.call(lambda e: e.prefix_to_fetch(prompt))
+        if not keys:
+            return 0
+        try:
+            owners = self.kvstores.owners(keys)
+        except LookupError:
+            return 0
+        by_address: dict[str, list[bytes]] = {}
+        for key, address in zip(keys, owners, strict=True):
+            by_address.setdefault(address, []).append(key)
+        began = time.perf_counter()
+        with tracing.start_span("prefill.kv_prefix_fetch", parent, kind=tracing.CLIENT) as span:
+            results = await asyncio.gather(
+                *(
+                    self.kvstores.client(address).get_blocks(
+                        self.layout, wanted, timeout=self.prefix_fetch_timeout_s
+                    )
+                    for address, wanted in by_address.items()
+                ),
+                return_exceptions=True,
+            )
+            fetched: dict[bytes, bytes] = {}
+            for address, result in zip(by_address, results, strict=True):
+                if isinstance(result, grpc.aio.AioRpcError):
+                    logger.warning(
+                        "request %s: prefix lookup in kvstore %s failed (%s); computing it",
+                        request_id,
+                        address,
+                        result.code().name,
+                    )
+                    continue
+                if isinstance(result, BaseException):
+                    raise result
+                fetched.update(result.found)
+            if not fetched:
+                return 0
+            imported = await self.engine.call(lambda e: e.import_prefix(prompt, fetched))
+            if span.is_recording():
+                span.set_attributes({"pdserve.prefix_blocks": imported})
+        if imported:
+            num_bytes = imported * len(next(iter(fetched.values())))
+            elapsed = time.perf_counter() - began
+            self.metrics.transfer("prefix_fetch", imported, num_bytes, elapsed)
+        return imported
 
     async def _stage(self, request_id: str, blocks: list[ExportedBlock]) -> Staged | None:
         """Hold ``blocks`` in NIXL-registered memory for the decode worker's read; None
@@ -253,7 +308,14 @@ async def start(settings: PrefillSettings, resources: contextlib.AsyncExitStack)
         "prefill", settings.transport, engine.info.layout, worker_id, has_registry, resources
     )
     servicer = PrefillServicer(
-        engine, placement, settings.kv_push_timeout, metrics, worker_id, grammars, nixl
+        engine,
+        placement,
+        settings.kv_push_timeout,
+        metrics,
+        worker_id,
+        grammars,
+        nixl,
+        settings.kv_prefix_fetch_timeout,
     )
     resources.push_async_callback(servicer.close)
     if nixl is not None:

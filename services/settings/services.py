@@ -106,6 +106,13 @@ class PrefillSettings:
         "seconds a push of a prompt's blocks to a kvstore may take; a push that fails or "
         "takes longer is given up (the decode worker recomputes those blocks)",
     )
+    kv_prefix_fetch_timeout: float = setting(
+        2.0,
+        "the shared prefix tier: seconds this worker waits for the kvstore's copy of a "
+        "prompt's prefix blocks that its own prefix cache lacks (any prefill worker's, "
+        "pushed there); those found are imported, not computed. A miss costs one round "
+        "trip; a slow kvstore, at most this. 0: off, every prefix is computed here",
+    )
     transport: KVTransportSettings = setting(default_factory=KVTransportSettings)
     registry: RegistrySettings = setting(default_factory=RegistrySettings)
     engine: EngineArgs = setting(default_factory=EngineArgs)
@@ -116,6 +123,11 @@ class PrefillSettings:
     log: LogSettings = setting(default_factory=LogSettings)
 
     def __post_init__(self) -> None:
+        check(
+            self.kv_prefix_fetch_timeout >= 0,
+            f"--kv-prefix-fetch-timeout must be 0 (off) or positive seconds, got "
+            f"{self.kv_prefix_fetch_timeout}",
+        )
         check(
             self.kv_push_timeout > 0,
             f"--kv-push-timeout must be positive seconds, got {self.kv_push_timeout}",
@@ -189,9 +201,9 @@ class KVStoreSettings:
     )
     disk_path: str | None = setting(
         None,
-        "a directory for a disk tier: blocks LRU evicts from memory are written there (one "
-        "checksummed file each) and served from there when a get misses memory; a kvstore "
-        "started again on it serves them again (it keeps one block layout: another "
+        "a directory for a disk tier: blocks LRU evicts from memory, and those memory holds "
+        "at a clean stop, are written there (one checksummed file each) and served from "
+        "there when a get misses memory; a kvstore started again on it serves them again (it keeps one block layout: another "
         "--block-layout is refused); default: no disk tier",
     )
     disk_capacity_bytes: str = setting(

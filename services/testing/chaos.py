@@ -270,9 +270,12 @@ class ChaosCluster:
         stream_idle_timeout_s: float = 3.0,
         registry_ttl_s: float = 2.0,
         worker_env: dict[str, str] | None = None,
+        kv_transport: str = "auto",
     ) -> None:
-        """``worker_env``: added to the prefill and decode workers' environment."""
+        """``worker_env``: added to the prefill and decode workers' environment;
+        ``kv_transport``: their --kv-transport (auto: NIXL where it is installed)."""
         self.model_path, self.served_model_name = model_path, served_model_name
+        self.kv_transport = kv_transport
         self.worker_env = worker_env
         self.engine = list(engine)
         self.idle_s, self.ttl_s = stream_idle_timeout_s, registry_ttl_s
@@ -297,7 +300,14 @@ class ChaosCluster:
         ]
         await asyncio.to_thread(self._start_all, specs, None)
         specs = [
-            (f"{role}-{i}", f"pdserve.{role}", *registry, *model, *self.engine)
+            (
+                f"{role}-{i}",
+                f"pdserve.{role}",
+                *registry,
+                *model,
+                *self.engine,
+                *("--kv-transport", self.kv_transport),
+            )
             for role in ("prefill", "decode")
             for i in range(2)
         ]
@@ -468,6 +478,10 @@ class ChaosCluster:
     async def _prefill_kill(self) -> Fault:
         return await self._killed("prefill-kill", *await self.busiest_prefill())
 
+    def reads_over_nixl(self) -> bool:
+        """Whether the decode workers said they read KV over NIXL."""
+        return any("KV transport nixl" in d.log_text() for d in self.workers("decode"))
+
     async def _kvstore_kill(self) -> Fault:
         """SIGKILL a replica, leave it down past its registry TTL, start it again on the same
         port; recovered once it has taken blocks from a prefill worker and given blocks to a
@@ -481,7 +495,8 @@ class ChaosCluster:
         async with KVStoreClient(victim.address) as client:
             while True:
                 stat = await client.stat(timeout=10)
-                if stat.blocks_in > 0 and stat.blocks_out > 0:
+                # Decode workers that read over NIXL fetch from a kvstore only as a fallback.
+                if stat.blocks_in > 0 and (stat.blocks_out > 0 or self.reads_over_nixl()):
                     break
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{victim.name} unused since its restart: {stat}")

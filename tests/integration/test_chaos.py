@@ -1,5 +1,6 @@
 """Faults without failed requests: a cluster of 2 prefill workers, 2 decode workers, 2
-kvstore replicas, Redis and a gateway, each a real process (the tiny Llama, float32),
+kvstore replicas, Redis and a gateway, each a real process (the tiny Llama, float32; KV
+over NIXL where it is installed, the default --kv-transport auto),
 serves a seeded load of greedy and sampled completions, streamed and not, 8 at a time,
 while in turn the decode worker serving live streams is SIGKILLed, a decode worker is
 SIGSTOPped past the stream idle timeout, a prefill worker, a kvstore replica and Redis are
@@ -11,6 +12,7 @@ counter counts each stream the faults cut."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import signal
 import time
 from asyncio import FIRST_COMPLETED
@@ -102,6 +104,9 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
     }
     # A prefill worker always answered (the other one, while one was down).
     assert fallbacks == 0
+    # With NIXL installed the decode workers read KV over it (--kv-transport auto), and
+    # the prefill kill above cut NIXL hand-overs too: none failed a request.
+    assert chaos.reads_over_nixl() == (importlib.util.find_spec("nixl") is not None)
     # Redis down: the gateway served from its last known registry.
     redis = next(f for f in chaos.faults if f.kind == "redis-kill")
     assert load.done_between(redis.at, redis.at + redis.recovered_s) >= 1

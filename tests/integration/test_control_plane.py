@@ -38,9 +38,10 @@ def start_all(cluster: Cluster, specs: list[tuple]) -> list:
         return list(pool.map(lambda spec: cluster.start(*spec), specs))
 
 
-def worker_specs(tiny_llama_path, url, prefix, prefill=1, decode=1, kvstore=True):
+def worker_specs(tiny_llama_path, url, prefix, prefill=1, decode=1, kvstore=True, grpc=False):
+    """``grpc``: KV through the kvstores only (else NIXL where it is installed)."""
     reg = ["--redis-url", url, "--redis-prefix", prefix]
-    model = ["--model", str(tiny_llama_path)]
+    model = ["--model", str(tiny_llama_path)] + (["--kv-transport", "grpc"] if grpc else [])
     specs = []
     if kvstore:
         kv = ("kvstore", "pdserve.kvstore", "--capacity-bytes", "64MiB", *reg)
@@ -396,7 +397,8 @@ async def test_blocks_split_over_kvstore_replicas_by_rendezvous_hashing(
     await view.start()
     try:
         await until(lambda: asyncio.sleep(0, len(view.workers("kvstore")) == 2), what="kvstores")
-        start_all(cluster, worker_specs(tiny_llama_path, url, prefix, kvstore=False))
+        # Over gRPC: the decode worker then fetches every block from its replica.
+        start_all(cluster, worker_specs(tiny_llama_path, url, prefix, kvstore=False, grpc=True))
         gw = start_gateway(cluster, "gateway", tiny_llama_path, url, prefix)
         work = prompts(7, 6, 100)  # 6 full blocks and a tail each: 42 keys
         llm = LLM(

@@ -50,8 +50,12 @@ def cluster(tiny_chat_llama_path, shared_redis_server, tmp_path_factory):
             *reg,
             ready=("kvstore-metrics",),
         )
+        # KV over gRPC: these counts are the kvstore path's (NIXL's: test_nixl_cluster).
+        grpc = ["--kv-transport", "grpc"]
         for role in ("prefill", "decode"):
-            c.start(role, f"pdserve.{role}", *reg, *model, *ENGINE, ready=(f"{role}-metrics",))
+            c.start(
+                role, f"pdserve.{role}", *reg, *model, *ENGINE, *grpc, ready=(f"{role}-metrics",)
+            )
         gw = c.start("gateway", "pdserve.gateway", *reg, *model, "--served-model-name", "tiny")
         c.metrics_urls = {
             "gateway": f"http://{gw.addresses['gateway-http']}",
