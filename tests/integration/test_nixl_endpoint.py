@@ -23,11 +23,12 @@ def _blocks(n: int) -> list[ExportedBlock]:
     return [ExportedBlock(f"key-{i}".encode(), memoryview(os.urandom(BLOCK)), 16) for i in range(n)]
 
 
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+async def _polling(endpoint: NixlEndpoint) -> None:
+    """What a prefill worker does all along: read notifications (which also progresses its
+    agent: a connection's wire-up needs both sides to)."""
+    while True:
+        await endpoint.poll()
+        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -43,6 +44,7 @@ def test_blocks_read_exactly_and_slots_freed(endpoints) -> None:
     prefill, decode = endpoints
 
     async def run() -> None:
+        poller = asyncio.create_task(_polling(prefill))
         blocks = _blocks(5)
         staged = await prefill.stage("req-1/x", blocks)
         assert staged is not None and prefill.slots.num_free == 3
@@ -64,11 +66,10 @@ def test_blocks_read_exactly_and_slots_freed(endpoints) -> None:
         fetched.done()
         assert decode.slots.num_free == 8
         # The reader's notification ends the lease on the prefill side.
-        for _ in range(500):
-            await prefill.poll()
-            if prefill.slots.num_free == 8:
-                break
+        deadline = time.monotonic() + 10
+        while prefill.slots.num_free < 8 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        poller.cancel()
         assert prefill.slots.num_free == 8
         assert prefill.counters.released == 1
 
