@@ -138,6 +138,26 @@ class RegistryView:
             out[w.worker_id] = n
         return out
 
+    async def fetchable_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` the kvstore replicas hold between them (each
+        publishes its block set as workers do): a prefill worker fetches those instead of
+        computing them. One round trip; on any Redis trouble, 0."""
+        replicas = self.workers("kvstore")
+        if not replicas or not hashes:
+            return 0
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for replica in replicas:
+                pipe.smismember(self.keys.blocks(replica.worker_id), list(hashes))
+            results = await asyncio.wait_for(pipe.execute(), timeout=self.query_timeout_s)
+        except redis_errors() as e:
+            logger.debug("registry: kvstore block query failed (%s)", e)
+            return 0
+        n = 0
+        while n < len(hashes) and any(held[n] for held in results):
+            n += 1
+        return n
+
     # --- following -----------------------------------------------------------------
 
     async def refresh(self) -> None:

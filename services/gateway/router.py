@@ -8,7 +8,9 @@ policy (the default) each live candidate whose model matches the gateway's is sc
 
 - ``uncached_blocks``: the prompt's blocks minus the longest prefix of them that w's
   prefix cache holds (from the registry's block sets, or, sooner, from the prompts this
-  gateway itself sent w in the last 10 s): the prefill work w would do.
+  gateway itself sent w in the last 10 s): the prefill work w would do. For a prefill
+  worker, the blocks the kvstore replicas hold (their published block sets) count as
+  held at ``FETCH_CREDIT``: the shared prefix tier fetches them rather than computing.
 - ``load_blocks``: KV blocks in use on w: the larger of what w last reported and the
   blocks of this gateway's own requests in flight on w (reports are up to a heartbeat
   old; a burst of requests would otherwise all land on one worker).
@@ -42,6 +44,12 @@ POLICIES = ("prefix", "round-robin")
 
 class NoWorkerError(RuntimeError):
     """A pool has no worker to route to."""
+
+
+# A block a prefill worker can fetch from a kvstore counts as this much of one it holds:
+# nearly (a fetch costs a copy, a compute a forward), so that a hot prefix in the kvstore
+# spreads over the prefill pool by load, and a worker holding it still wins a tie.
+FETCH_CREDIT = 0.9
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,9 @@ class StaticPools:
 
     async def prefix_lengths(self, workers, hashes) -> dict[str, int]:
         return {}
+
+    async def fetchable_prefix(self, hashes) -> int:
+        return 0
 
     def describe(self, role: str) -> str:
         return f"no {role} worker: start one and pass its address with --{role}"
@@ -168,14 +179,20 @@ class Router:
         for w in workers:  # what this gateway sent lately, not yet in the registry
             sent = self._sent.prefix_length(w.worker_id, hashes(w.block_size or 16))
             cached[w.worker_id] = max(cached.get(w.worker_id, 0), sent)
+        # A prefill worker fetches from the kvstores (the shared prefix tier) what its own
+        # cache lacks: those blocks count for it too, at FETCH_CREDIT of a held one.
+        fetchable = 0
+        if role == "prefill" and self.fingerprint:
+            fetchable = await self.pools.fetchable_prefix(hashes(workers[0].block_size or 16))
         n = len(workers)
 
         def key(i: int) -> tuple[float, int, int]:
             w = workers[i]
+            held = cached.get(w.worker_id, 0)
             cost = score(
                 len(prompt),
                 w,
-                cached.get(w.worker_id, 0),
+                held + FETCH_CREDIT * max(fetchable - held, 0),
                 self._inflight_blocks[w.worker_id],
                 self.policy,
             )

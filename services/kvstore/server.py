@@ -269,6 +269,27 @@ def _get_response(
     )
 
 
+class BlockIndex:
+    """The block keys this kvstore holds (memory and disk, tails aside), as the registry's
+    block set of its entry: what routers credit prefill workers with (they can fetch it)."""
+
+    def __init__(self, store: BlockStore, disk: DiskTier | None) -> None:
+        self.store, self.disk = store, disk
+        self.published: set[bytes] = set()
+
+    def changes(self, full: bool) -> tuple[list[bytes], list[bytes]]:
+        """(stored, evicted) since the last call; with ``full``, every key (and none evicted)."""
+        held = {k for k in self.store.lru_order() if not k.startswith(b"tail/")}
+        if self.disk is not None:
+            held.update(self.disk.lru_order())
+        if full:
+            self.published = held
+            return list(held), []
+        stored, evicted = held - self.published, self.published - held
+        self.published = held
+        return list(stored), list(evicted)
+
+
 async def _persist(store: BlockStore, disk: DiskTier) -> None:
     """Write the blocks memory holds to the disk tier as the kvstore stops."""
     if store.layout is None:
@@ -321,6 +342,11 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
     async def load() -> dict:
         return {"bytes_used": store.bytes_used, "num_cached_blocks": store.num_blocks}
 
+    index = BlockIndex(store, disk)
+
+    async def blocks(full: bool) -> tuple[list[bytes], list[bytes]]:
+        return index.changes(full)
+
     metrics_address = metrics_server_address(settings, metrics_server)
     publisher = publisher_for(
         settings.registry,
@@ -328,6 +354,7 @@ async def start(settings: KVStoreSettings, resources: contextlib.AsyncExitStack)
         host,
         port,
         load,
+        blocks,
         token=trust.tokens,
         capacity_bytes=store.capacity_bytes,
         metrics_address=metrics_address,

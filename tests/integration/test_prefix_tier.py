@@ -2,7 +2,8 @@
 prefilled on one prefill worker is fetched from the kvstore, not computed, by the next
 prefill worker that sees it with another question (it computes only the suffix), and by a
 fresh worker after the kvstore restarted on the same --disk-path. Every output is
-transformers' ``generate``."""
+transformers' ``generate``. The kvstores publish what they hold in the registry, where a
+gateway's router finds how much of a prompt a prefill worker could fetch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import signal
 
 import pytest
 
+from pdserve.controlplane.view import RegistryView
+from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout
 from pdserve.kv.client import KVStoreClient
+from pdserve.kv.convert import layout_to_proto
+from pdserve.kv.hashing import prompt_block_hashes
 from pdserve.local.launcher import free_port
 from pdserve.runtime.rpc import aio_channel
 from pdserve.testing.metrics import metric
@@ -109,3 +114,37 @@ def test_a_prefix_computed_once_is_fetched_not_computed(llama, tmp_path):
 
         assert asyncio.run(stat()).disk_hits >= SYSTEM // 16
         assert cluster.unhandled_errors() == []
+
+
+def test_kvstores_publish_the_blocks_a_router_credits(redis_server, tmp_path):
+    registry = ["--redis-url", redis_server.url, "--redis-prefix", "tier"]
+    layout = layout_to_proto(BlockLayout(LAYOUT_VERSION, b"fp", "float32", 16, 2, 2, 8))
+    hashes = [bytes(h) for h in prompt_block_hashes(list(range(160)), 16, b"fp")]  # 10
+
+    async def run(address_a: str, address_b: str) -> tuple[int, int]:
+        view = RegistryView(redis_server.url, prefix="tier")
+        await view.start()
+        try:
+            blocks = [(h, bytes(1024), 16) for h in hashes]
+            async with KVStoreClient(address_a) as a, KVStoreClient(address_b) as b:
+                # The first 6 blocks on one replica, the next 2 on the other, none after
+                # a gap: 8 leading blocks are fetchable between them.
+                await a.put_blocks(layout, blocks[:6], timeout=10)
+                await b.put_blocks(layout, blocks[6:8] + blocks[9:], timeout=10)
+            for _ in range(100):
+                await view.refresh()
+                held = await view.fetchable_prefix(hashes)
+                if held == 8:
+                    break
+                await asyncio.sleep(0.1)
+            return held, await view.fetchable_prefix(hashes[6:])
+        finally:
+            await view.close()
+
+    with running(tmp_path) as cluster:
+        a, b = (
+            cluster.start(name, "pdserve.kvstore", *registry, "--block-lease", "0")
+            for name in ("kvstore-a", "kvstore-b")
+        )
+        held, from_b = asyncio.run(run(a.address, b.address))
+    assert (held, from_b) == (8, 2)

@@ -51,9 +51,12 @@ def test_policy_and_pool_errors_are_clear():
 class Pools:
     """Registry-shaped pools with fixed prefix lengths: the router's inputs, nothing else."""
 
-    def __init__(self, workers, cached):
-        self._workers, self.cached = workers, cached
+    def __init__(self, workers, cached, fetchable=0):
+        self._workers, self.cached, self.fetchable = workers, cached, fetchable
         self.unreachable: set[str] = set()
+
+    async def fetchable_prefix(self, hashes):
+        return min(self.fetchable, len(hashes))
 
     def workers(self, role=None):
         return [w for w in self._workers if w.role == role and w.worker_id not in self.unreachable]
@@ -88,6 +91,30 @@ async def test_the_longest_cached_prefix_wins_until_its_load_outweighs_it():
         in_flight[-1].__enter__()  # stays in flight
     assert set(picks) == {"a", "b"}
     assert max(Counter(picks).values()) <= 4
+
+
+async def test_prefill_workers_are_credited_what_the_kvstores_hold():
+    """A prefix the kvstores hold is fetched, not computed, by any prefill worker: the one
+    holding it no longer wins against a less loaded one (decode workers get no credit)."""
+    prefill = [
+        WorkerInfo(w, "prefill", f"{w}:1", fingerprint=FP_HEX, block_size=16, num_total_blocks=64)
+        for w in ("p", "q")
+    ]
+    prefill[0].num_free_blocks = 56  # p holds the prefix and carries 8 blocks of load
+    prefill[1].num_free_blocks = 64
+    prompt = list(range(128))  # 8 blocks
+    cold = Router(Pools(prefill, {"p": 7}), fingerprint=FP)
+    assert (await cold.pick("prefill", prompt)).worker.worker_id == "p"
+    warm = Router(Pools(prefill, {"p": 7}, fetchable=7), fingerprint=FP)
+    route = await warm.pick("prefill", prompt)
+    assert route.worker.worker_id == "q" and route.cached_tokens == 0  # it holds none itself
+    # Unloaded, the holder still wins the tie the credit leaves (a fresh router: this one
+    # now counts the prompt as sent to q).
+    prefill[0].num_free_blocks = 64
+    warm = Router(Pools(prefill, {"p": 7}, fetchable=7), fingerprint=FP)
+    assert (await warm.pick("prefill", prompt)).worker.worker_id == "p"
+    decoders = Router(Pools([decode("a"), decode("b")], {"a": 7}, fetchable=7), fingerprint=FP)
+    assert (await decoders.pick("decode", prompt)).worker.worker_id == "a"
 
 
 async def test_ties_rotate_and_round_robin_ignores_caches():
