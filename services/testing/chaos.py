@@ -1,7 +1,7 @@
 """A cluster under faults: 2 prefill workers, 2 decode workers and 2 kvstore replicas
 registered in a real Redis, and a gateway routing from it, each its own process on
-127.0.0.1; the five faults of issue 15, each followed by the restart a supervisor would
-make; a seeded load of completions over HTTP; and where the gateway's log says each
+127.0.0.1; the five faults of issue 15 and a prefill worker killed in the middle of a
+hand-over (issue 40), each followed by the restart a supervisor would make; a seeded load of completions over HTTP; and where the gateway's log says each
 request ran. Shared by tests/integration/test_chaos.py and bench/serving/chaos.py.
 """
 
@@ -27,8 +27,10 @@ from pdserve.controlplane.view import RegistryView
 from pdserve.kv.client import KVStoreClient
 from pdserve.local.launcher import Child, free_port
 from pdserve.local.redis_server import RedisServer, start_redis
+from pdserve.runtime.rpc import aio_channel
 from pdserve.testing.cluster import Cluster, decode_idle, decode_stat
 from pdserve.testing.metrics import metric
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 # One torch thread each: four engine processes share the machine's cores (more threads
 # than cores make oneDNN spin, and steps tens of times slower).
@@ -42,7 +44,15 @@ ENGINE = [
     "--num-threads",
     "1",
 ]
-FAULTS = ("decode-kill", "decode-stop", "prefill-kill", "kvstore-kill", "redis-kill")
+FAULTS = (
+    "decode-kill",
+    "decode-stop",
+    "prefill-kill",
+    "prefill-kill-handover",
+    "kvstore-kill",
+    "redis-kill",
+)
+HANDOVER_TOKENS = 16  # generated in the prefill-kill-handover fault's own request
 WAIT_S = 60.0  # the longest any one step of a fault (a restart, a rejoin) may take
 
 
@@ -256,6 +266,8 @@ class Fault:
     # in the second before)
     at: float = field(default_factory=time.monotonic)
     recovered_s: float = 0.0  # from the hit until every pool was whole again
+    # prefill-kill-handover: its request's prompt and the tokens it got (first included)
+    handover: tuple[list[int], list[int]] | None = None
 
 
 class ChaosCluster:
@@ -477,6 +489,47 @@ class ChaosCluster:
 
     async def _prefill_kill(self) -> Fault:
         return await self._killed("prefill-kill", *await self.busiest_prefill())
+
+    async def _prefill_kill_handover(self) -> Fault:
+        """A prefill worker SIGKILLed between its answer and the decode worker's read of
+        the prompt's blocks (staged in its memory over NIXL; over gRPC, pushed): the decode
+        worker falls back to the kvstore, else recomputes. The request is this fault's own
+        (a random prompt, greedy), sent to the workers directly so that the kill falls in
+        that window every time; its tokens go in ``Fault.handover`` for the test to check."""
+        victim = self.workers("prefill")[len(self.faults) % 2]
+        rng = random.Random(len(self.faults))
+        prompt = [rng.randrange(3, 512) for _ in range(70)]
+        request = prefill_pb2.PrefillRequest(
+            request_id=f"handover-{len(self.faults)}",
+            prompt_token_ids=prompt,
+            params=common_pb2.SamplingParams(
+                max_tokens=HANDOVER_TOKENS, temperature=0, ignore_eos=True
+            ),
+            decode_reads_nixl=self.reads_over_nixl(),
+        )
+        async with aio_channel(victim.address) as channel:
+            answer = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request, timeout=WAIT_S)
+        fault = Fault("prefill-kill-handover", victim.name, victim.address, 1)
+        await asyncio.to_thread(self.cluster.stop, victim, signal.SIGKILL)
+        handed = decode_pb2.DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=prompt,
+            params=request.params,
+            first_token_id=answer.first_token_id,
+            block_keys=answer.block_keys,
+            kvstore_address=answer.kvstore_address,
+            block_kvstore_addresses=answer.block_kvstore_addresses,
+            layout=answer.layout,
+            nixl=answer.nixl if answer.HasField("nixl") else None,
+        )
+        decode = next(d for d in self.workers("decode") if d.name not in self._stopped)
+        tokens = [answer.first_token_id]
+        async with aio_channel(decode.address) as channel:
+            async for out in decode_pb2_grpc.DecodeStub(channel).Decode(handed, timeout=WAIT_S):
+                tokens.extend(out.token_ids)
+        fault.handover = (prompt, tokens)
+        await self.restart(victim)
+        return fault
 
     def reads_over_nixl(self) -> bool:
         """Whether the decode workers said they read KV over NIXL."""

@@ -4,7 +4,8 @@ over NIXL where it is installed, the default --kv-transport auto),
 serves a seeded load of greedy and sampled completions, streamed and not, 8 at a time,
 while in turn the decode worker serving live streams is SIGKILLed, a decode worker is
 SIGSTOPped past the stream idle timeout, a prefill worker, a kvstore replica and Redis are
-SIGKILLed, each started again as a supervisor would. The load goes on (its jobs again,
+SIGKILLed, and a prefill worker is SIGKILLed between its answer and the decode worker's
+read of the blocks it staged, each started again as a supervisor would. The load goes on (its jobs again,
 renamed) until the last fault is over. No request fails, every output is the fault-free
 engine's, every decode worker ends with all its blocks free, and the gateway's migration
 counter counts each stream the faults cut."""
@@ -22,6 +23,7 @@ import pytest
 
 from pdserve.testing.chaos import (
     FAULTS,
+    HANDOVER_TOKENS,
     ChaosCluster,
     Load,
     decode_moves,
@@ -31,6 +33,7 @@ from pdserve.testing.chaos import (
     routes,
 )
 from pdserve.testing.metrics import metric
+from pdserve.testing.reference import compare, hf_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -107,6 +110,12 @@ async def test_faults_fail_no_request(tiny_llama_path, tmp_path, jobs, reference
     # With NIXL installed the decode workers read KV over it (--kv-transport auto), and
     # the prefill kill above cut NIXL hand-overs too: none failed a request.
     assert chaos.reads_over_nixl() == (importlib.util.find_spec("nixl") is not None)
+    # The prefill worker killed between its answer and the decode worker's read: that
+    # request's tokens are transformers' all the same (the kvstore's copy, or recomputed).
+    (handover,) = [f.handover for f in chaos.faults if f.kind == "prefill-kill-handover"]
+    prompt, tokens = handover
+    (ref,) = hf_greedy(tiny_llama_path, [prompt], HANDOVER_TOKENS)
+    assert compare(tokens, ref) is None
     # Redis down: the gateway served from its last known registry.
     redis = next(f for f in chaos.faults if f.kind == "redis-kill")
     assert load.done_between(redis.at, redis.at + redis.recovered_s) >= 1
