@@ -272,8 +272,11 @@ class NixlEndpoint:
     ) -> None:
         remote = self._peer(worker_id, agent_name, metadata)
         bb = self.block_bytes
-        local = self.agent.get_xfer_descs([(self.base + s * bb, bb, 0) for s in slots], "DRAM")
-        theirs = self.agent.get_xfer_descs([(addr, bb, 0) for _, addr, _, _ in wanted], "DRAM")
+        pairs = coalesce(
+            [(self.base + s * bb, w[1]) for s, w in zip(slots, wanted, strict=True)], bb
+        )
+        local = self.agent.get_xfer_descs([(mine, n, 0) for mine, _, n in pairs], "DRAM")
+        theirs = self.agent.get_xfer_descs([(peer, n, 0) for _, peer, n in pairs], "DRAM")
         handle = self.agent.initialize_xfer("READ", local, theirs, remote, lease.encode())
         deadline = time.monotonic() + timeout_s
         try:
@@ -325,6 +328,19 @@ class NixlEndpoint:
                 self.agent.remove_remote_agent(held[1])
             except Exception as e:  # noqa: BLE001
                 logger.debug("NIXL remove_remote_agent: %s", e)
+
+
+def coalesce(pairs: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int, int]]:
+    """(local, remote, length) runs of ``size``-byte block copies ``(local, remote)``: a
+    block that follows the previous one on both sides extends its run (slots taken
+    together are mostly consecutive), so a read has a few descriptors, not one a block."""
+    runs: list[list[int]] = []
+    for mine, peer in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == mine and runs[-1][1] + runs[-1][2] == peer:
+            runs[-1][2] += size
+        else:
+            runs.append([mine, peer, size])
+    return [tuple(run) for run in runs]
 
 
 def _check(wanted: Sequence, rows: Sequence) -> list[bool]:

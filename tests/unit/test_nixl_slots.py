@@ -40,3 +40,12 @@ def test_leases_expire_in_order() -> None:
     clock.now = 15.5
     assert pool.take(4, "all") is not None  # taking expires what is due first
     assert pool.expired == 2
+
+
+def test_consecutive_blocks_read_as_one_run() -> None:
+    from pdserve.worker.nixl import coalesce
+
+    # Slots 0-2 from the peer's 10-12, then slot 3 from its 20, then slot 5 from its 21.
+    pairs = [(0, 100), (10, 110), (20, 120), (30, 200), (50, 210)]
+    assert coalesce(pairs, 10) == [(0, 100, 30), (30, 200, 10), (50, 210, 10)]
+    assert coalesce([], 10) == []
