@@ -116,19 +116,19 @@ async def test_a_kvstore_started_again_on_its_disk_path_serves_its_blocks(launch
     async with KVStoreClient(first.address) as client:
         await client.put_blocks(LAYOUT, sent, timeout=TIMEOUT)
         await stat_until(client, lambda s: s.disk_writes == 2)
-    launcher.stop([first], 10)
+    launcher.stop([first], 10)  # SIGTERM: the 4 blocks memory holds are written too
     assert first.proc.returncode == 0
 
     again = start_kvstore(launcher, "kvstore-again", tier)  # its layout from layout.txt
     async with KVStoreClient(again.address) as client:
         stat = await client.stat(timeout=TIMEOUT)
-        assert (stat.num_blocks, stat.disk_blocks) == (0, 2)
+        assert (stat.num_blocks, stat.disk_blocks) == (0, 6)
         fetched = await client.get_blocks(
-            LAYOUT, [b"kept/0", b"kept/1", b"kept/2"], timeout=TIMEOUT
+            LAYOUT, [b"kept/0", b"kept/1", b"kept/5", b"kept/9"], timeout=TIMEOUT
         )
-        assert fetched.found == {key: data for key, data, _ in sent[:2]}
-        assert (fetched.missing, fetched.rejected) == ([b"kept/2"], {})
-    assert "holding 2 blocks" in again.log_text()
+        assert fetched.found == {key: data for key, data, _ in sent[:2] + sent[5:]}
+        assert (fetched.missing, fetched.rejected) == ([b"kept/9"], {})
+    assert "holding 6 blocks" in again.log_text()
     launcher.stop([again], 10)
 
     other = dataclasses.replace(layout_from_proto(LAYOUT), block_size=32)

@@ -9,6 +9,7 @@ to start. Skipped where NIXL is not installed (`pdserve[nixl]`)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import subprocess
@@ -28,8 +29,13 @@ from tests.helpers.flags import engine_flags
 from tests.helpers.kv_blocks import decode_call
 from tests.helpers.streams import stream_greedy
 
-pytest.importorskip("nixl")
-pytestmark = pytest.mark.timeout(300)
+# Not imported here: NIXL's libraries in a pytest process break a later protoc load there.
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        importlib.util.find_spec("nixl") is None, reason="NIXL is not installed (pdserve[nixl])"
+    ),
+]
 
 LENGTHS = [5, 40, 70, 130]
 MAX_NEW = 96

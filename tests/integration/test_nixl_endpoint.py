@@ -1,20 +1,30 @@
 """Two NIXL endpoints in one process (UCX on loopback): a prefill endpoint stages blocks,
 a decode endpoint reads them, checks each checksum, and its notification frees the
-prefill's slots. Skipped where NIXL is not installed (`pdserve[nixl]`)."""
+prefill's slots. Skipped where NIXL is not installed (`pdserve[nixl]`).
+
+Each scenario runs in a process of its own: NIXL's libraries, once loaded, make a later
+load of grpc_tools' protoc (test_protos) crash the process (a segfault: their bundled
+libraries clash), and a crashed pytest-xdist worker can stall the whole run. Workers never
+load protoc."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("nixl")
+from pdserve.kv.blocks import ExportedBlock
+from pdserve.worker.nixl import NixlEndpoint, NixlReadError
 
-from pdserve.kv.blocks import ExportedBlock  # noqa: E402
-from pdserve.worker.nixl import NixlEndpoint, NixlReadError  # noqa: E402
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("nixl") is None, reason="NIXL is not installed (pdserve[nixl])"
+)
 
 BLOCK = 64 * 1024
 
@@ -31,17 +41,42 @@ async def _polling(endpoint: NixlEndpoint) -> None:
         await asyncio.sleep(0.005)
 
 
-@pytest.fixture
-def endpoints():
+@contextlib.contextmanager
+def _endpoints():
     made = [NixlEndpoint(f"p-{os.getpid()}", 8 * BLOCK, BLOCK)]
     made.append(NixlEndpoint(f"d-{os.getpid()}", 8 * BLOCK, BLOCK))
-    yield made
-    for e in made:
-        e.close()
+    try:
+        yield made
+    finally:
+        for e in made:
+            e.close()
 
 
-def test_blocks_read_exactly_and_slots_freed(endpoints) -> None:
-    prefill, decode = endpoints
+def _apart(scenario) -> None:
+    """Run ``scenario`` in a fresh process; its assertion errors are raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(scenario).result(timeout=120)
+
+
+def test_blocks_read_exactly_and_slots_freed() -> None:
+    _apart(_read_exactly)
+
+
+def test_a_full_buffer_and_a_wrong_peer() -> None:
+    _apart(_full_buffer_and_wrong_peer)
+
+
+def _read_exactly() -> None:
+    with _endpoints() as (prefill, decode):
+        _read_exactly_on(prefill, decode)
+
+
+def _full_buffer_and_wrong_peer() -> None:
+    with _endpoints() as (prefill, decode):
+        _full_buffer_and_wrong_peer_on(prefill, decode)
+
+
+def _read_exactly_on(prefill: NixlEndpoint, decode: NixlEndpoint) -> None:
 
     async def run() -> None:
         poller = asyncio.create_task(_polling(prefill))
@@ -76,8 +111,7 @@ def test_blocks_read_exactly_and_slots_freed(endpoints) -> None:
     asyncio.run(run())
 
 
-def test_a_full_buffer_and_a_wrong_peer(endpoints) -> None:
-    prefill, decode = endpoints
+def _full_buffer_and_wrong_peer_on(prefill: NixlEndpoint, decode: NixlEndpoint) -> None:
 
     async def run() -> None:
         assert await prefill.stage("big", _blocks(9)) is None  # 8 slots
