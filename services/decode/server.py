@@ -215,7 +215,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return FetchedBlocks()
         if fetched.rejected:
             logger.warning(
-                "request %s: %d blocks read over NIXL failed their checksum; recomputing them",
+                "request %s: %d blocks read over NIXL failed their checksum; the kvstore or "
+                "a recompute brings them",
                 request.request_id,
                 len(fetched.rejected),
             )
