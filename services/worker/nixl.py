@@ -25,6 +25,7 @@ import asyncio
 import base64
 import concurrent.futures
 import logging
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -56,7 +57,8 @@ def load_nixl():
 
 
 class SlotPool:
-    """Slot numbers handed out under named leases; a lease ends when released or expired."""
+    """Slot numbers handed out under named leases; a lease ends when released or expired.
+    Thread-safe: a decode worker's slots are freed on its engine thread, after the import."""
 
     def __init__(self, num_slots: int, lease_s: float | None = None, clock=time.monotonic) -> None:
         self.free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: 0 first
@@ -64,6 +66,7 @@ class SlotPool:
         self._clock = clock
         self._leases: OrderedDict[str, tuple[list[int], float]] = OrderedDict()
         self.expired = 0
+        self._lock = threading.RLock()
 
     @property
     def num_free(self) -> int:
@@ -71,33 +74,36 @@ class SlotPool:
 
     def take(self, n: int, lease: str) -> list[int] | None:
         """``n`` slots held under ``lease``; None (nothing taken) when too few are free."""
-        self.expire()
-        if n > len(self.free_slots) or lease in self._leases:
-            return None
-        slots = [self.free_slots.pop() for _ in range(n)]
-        until = self._clock() + self.lease_s if self.lease_s else float("inf")
-        self._leases[lease] = (slots, until)
-        return slots
+        with self._lock:
+            self.expire()
+            if n > len(self.free_slots) or lease in self._leases:
+                return None
+            slots = [self.free_slots.pop() for _ in range(n)]
+            until = self._clock() + self.lease_s if self.lease_s else float("inf")
+            self._leases[lease] = (slots, until)
+            return slots
 
     def release(self, lease: str) -> int:
         """Give ``lease``'s slots back; how many (0: no such lease, or ended already)."""
-        held = self._leases.pop(lease, None)
-        if held is None:
-            return 0
-        self.free_slots.extend(reversed(held[0]))
-        return len(held[0])
+        with self._lock:
+            held = self._leases.pop(lease, None)
+            if held is None:
+                return 0
+            self.free_slots.extend(reversed(held[0]))
+            return len(held[0])
 
     def expire(self) -> int:
         """End the leases whose time is up; how many."""
-        now, ended = self._clock(), 0
-        while self._leases:
-            lease, (_, until) = next(iter(self._leases.items()))
-            if until > now:
-                break
-            self.release(lease)
-            ended += 1
-        self.expired += ended
-        return ended
+        with self._lock:
+            now, ended = self._clock(), 0
+            while self._leases:
+                lease, (_, until) = next(iter(self._leases.items()))
+                if until > now:
+                    break
+                self.release(lease)
+                ended += 1
+            self.expired += ended
+            return ended
 
 
 @dataclass
