@@ -19,7 +19,10 @@
 #            TP 2 (NCCL; CUDA graphs with the all-reduce captured), and decode/prefill
 #            step times at TP 1/2 (and 4 with four GPUs) on Llama-3-8B's shape with random
 #            bf16 weights (bench/engine/tp_step.py). Skipped, saying so, on one GPU.
-#   all      tiny and smollm2, and tp where there are GPUs enough.
+#   nixl     a NIXL READ of 1 GiB between two processes' CUDA memory (cuda:1 -> cuda:0,
+#            or within cuda:0 on one GPU) against the device copy bandwidth
+#            (bench/gpu/nixl_vram.py); skipped, saying so, where NIXL is not installed.
+#   all      tiny, smollm2 and nixl, and tp where there are GPUs enough.
 #
 # Each step has a time limit and the next runs whatever the last gave; logs and JSON go
 # to $OUT (default bench/out), a summary is printed last, and the exit code is 1 when a
@@ -34,9 +37,9 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 PHASE=${1:-all}
 case $PHASE in
-    tiny | smollm2 | tp | all) ;;
+    tiny | smollm2 | tp | nixl | all) ;;
     *)
-        echo "usage: bash bench/gpu/check.sh [tiny|smollm2|tp|all]" >&2
+        echo "usage: bash bench/gpu/check.sh [tiny|smollm2|tp|nixl|all]" >&2
         exit 2
         ;;
 esac
@@ -116,6 +119,14 @@ if [[ $PHASE == tp || $PHASE == all ]]; then
             --dtype bfloat16 --tp "${sizes[@]}" --batches 1 32 --rounds 1 --json "$OUT/tp_step.json"
     else
         echo "tp: skipped, $gpus GPU(s) here (tensor parallelism needs two or more)" | tee -a "$SUMMARY"
+    fi
+fi
+
+if [[ $PHASE == nixl || $PHASE == all ]]; then
+    if $PY -c 'import importlib.util as u, sys; sys.exit(u.find_spec("nixl") is None)'; then
+        step nixl-vram 120 $PY -m bench.gpu.nixl_vram --mib 1024 --out "$OUT/nixl_vram.json"
+    else
+        echo "nixl: skipped, NIXL is not installed (pip install 'nixl>=1.5')" | tee -a "$SUMMARY"
     fi
 fi
 
