@@ -336,27 +336,39 @@ class LLMEngine:
         hashes = prompt_block_hashes(
             prompt_token_ids[: limit * bs], bs, self.kv_cache.model_fingerprint
         )
-        blocks = []
+        held, blocks = [], []
         for h in hashes:
-            if self.pool.lookup(h) is not None:
+            block_id = self.pool.lookup(h)
+            if block_id is not None:
                 if blocks:
                     break  # a cached block after a fetched run: the run ends there
+                held.append(block_id)
                 continue
             data = fetched.get(bytes(h))
             if data is None or len(data) != self.block_bytes:
                 break
             blocks.append((h, data))
-        if not blocks or len(blocks) > self.pool.num_free_blocks:
+        if not blocks:
             return 0
-        ids = self.pool.allocate(len(blocks))
+        # The cached blocks the run continues are held meanwhile: allocating must not evict
+        # them (the imported blocks would then follow nothing).
+        self.pool.touch(held)
         try:
-            self.runner.write_blocks([(i, data) for i, (_, data) in zip(ids, blocks, strict=True)])
-        except BaseException:
-            self.pool.free(ids)
-            raise
-        for block_id, (h, _) in zip(ids, blocks, strict=True):
-            self.pool.cache(block_id, h)
-        self.pool.free(reversed(ids))  # the prefix's first blocks are evicted last
+            if len(blocks) > self.pool.num_free_blocks:
+                return 0
+            ids = self.pool.allocate(len(blocks))
+            try:
+                self.runner.write_blocks(
+                    [(i, data) for i, (_, data) in zip(ids, blocks, strict=True)]
+                )
+            except BaseException:
+                self.pool.free(ids)
+                raise
+            for block_id, (h, _) in zip(ids, blocks, strict=True):
+                self.pool.cache(block_id, h)
+            self.pool.free(reversed(ids))
+        finally:
+            self.pool.free(reversed(held))  # the prefix's first blocks are evicted last
         self.num_prefix_imported_blocks += len(blocks)
         return len(blocks)
 
