@@ -52,6 +52,41 @@ def _target(conn, mib: int, device: str) -> None:
         agent.get_new_notifs()  # progress, as a prefill worker's poller does
 
 
+def read_between_processes(mib: int, repeats: int, mine: str, theirs: str) -> float:
+    """GB/s of one NIXL READ of ``mib`` MiB into this process's memory on ``mine`` from
+    another process's on ``theirs`` ("cpu" or "cuda:N"), in one descriptor (the median of
+    ``repeats`` after one that warms the connection); the bytes are checked once."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, other = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(other, mib, theirs))
+    proc.start()
+    try:
+        metadata, address, total = ours.recv()
+        agent = _agent(f"vram-reader-{os.getpid()}")
+        dst = _tensor(mib, mine, fill=False)
+        agent.register_memory(dst)
+        remote = agent.add_remote_agent(metadata)
+        (kind, dev), (far_kind, far_dev) = _mem(mine), _mem(theirs)
+        local = agent.get_xfer_descs([(dst.data_ptr(), dst.numel(), dev)], kind)
+        far = agent.get_xfer_descs([(address, dst.numel(), far_dev)], far_kind)
+        times = []
+        for _ in range(repeats + 1):  # the first warms the connection
+            began = time.perf_counter()
+            handle = agent.initialize_xfer("READ", local, far, remote)
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(handle)
+            times.append(time.perf_counter() - began)
+            agent.release_xfer_handle(handle)
+            if state == "ERR":
+                raise RuntimeError("the NIXL READ failed")
+        assert int(dst.sum().item()) == total, "the bytes read differ from the target's"
+    finally:
+        ours.send("stop")
+        proc.join(60)
+    return mib * 2**20 / statistics.median(times[1:]) / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024)
@@ -69,34 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         mine, theirs = "cuda:0", f"cuda:{1 if gpus > 1 else 0}"
     else:
         mine = theirs = "cpu"
-    ctx = multiprocessing.get_context("spawn")
-    ours, other = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(other, args.mib, theirs))
-    proc.start()
-    try:
-        metadata, address, total = ours.recv()
-        agent = _agent(f"vram-reader-{os.getpid()}")
-        dst = _tensor(args.mib, mine, fill=False)
-        agent.register_memory(dst)
-        remote = agent.add_remote_agent(metadata)
-        (kind, dev), (far_kind, far_dev) = _mem(mine), _mem(theirs)
-        local = agent.get_xfer_descs([(dst.data_ptr(), dst.numel(), dev)], kind)
-        far = agent.get_xfer_descs([(address, dst.numel(), far_dev)], far_kind)
-        times = []
-        for _ in range(args.repeats + 1):  # the first warms the connection
-            began = time.perf_counter()
-            handle = agent.initialize_xfer("READ", local, far, remote)
-            state = agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                state = agent.check_xfer_state(handle)
-            times.append(time.perf_counter() - began)
-            agent.release_xfer_handle(handle)
-            if state == "ERR":
-                raise RuntimeError("the NIXL READ failed")
-        assert int(dst.sum().item()) == total, "the bytes read differ from the target's"
-    finally:
-        ours.send("stop")
-        proc.join(60)
+    read_gbps = read_between_processes(args.mib, args.repeats, mine, theirs)
     copy = []
     a = _tensor(args.mib, mine, fill=True)
     b = torch.empty_like(a)
@@ -109,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         copy.append(time.perf_counter() - began)
     nbytes = args.mib * 2**20
-    read_gbps = nbytes / statistics.median(times[1:]) / 1e9
     copy_gbps = nbytes / statistics.median(copy[1:]) / 1e9
     device_name = torch.cuda.get_device_name(0) if mine != "cpu" else "cpu"
     result = {

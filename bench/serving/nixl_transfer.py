@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from bench import ROOT
+from bench.gpu.nixl_vram import read_between_processes
 
 BLOCK = 30 * 2 * 3 * 16 * 64 * 2  # SmolLM2-135M, bfloat16
 SIZES_MIB = (64, 256, 1024)
@@ -124,55 +125,6 @@ def measure_nixl(sizes: list[int], repeats: int) -> dict[int, dict]:
     return results
 
 
-def measure_raw_read(mib: int, repeats: int) -> float:
-    """GB/s of one NIXL READ of ``mib`` MiB in one descriptor between two processes (the
-    transport alone: no per-block descriptors, no CRC)."""
-    import torch
-
-    from pdserve.worker.nixl import load_nixl
-
-    api = load_nixl()
-    ctx = multiprocessing.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_raw_target, args=(theirs, mib))
-    proc.start()
-    meta, addr = ours.recv()
-    config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-    agent = api.nixl_agent(f"raw-{os.getpid()}", config)
-    dst = torch.zeros(mib * 2**20, dtype=torch.uint8)
-    agent.register_memory(dst)
-    remote = agent.add_remote_agent(meta)
-    local = agent.get_xfer_descs([(dst.data_ptr(), dst.numel(), 0)], "DRAM")
-    theirs_d = agent.get_xfer_descs([(addr, dst.numel(), 0)], "DRAM")
-    times = []
-    for _ in range(repeats + 1):
-        began = time.perf_counter()
-        handle = agent.initialize_xfer("READ", local, theirs_d, remote)
-        state = agent.transfer(handle)
-        while state not in ("DONE", "ERR"):
-            state = agent.check_xfer_state(handle)
-        times.append(time.perf_counter() - began)
-        agent.release_xfer_handle(handle)
-    ours.send(None)
-    proc.join(30)
-    return dst.numel() / statistics.median(times[1:]) / 1e9
-
-
-def _raw_target(conn, mib: int) -> None:
-    import torch
-
-    from pdserve.worker.nixl import load_nixl
-
-    api = load_nixl()
-    config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-    agent = api.nixl_agent(f"raw-t-{os.getpid()}", config)
-    src = torch.randint(0, 255, (mib * 2**20,), dtype=torch.uint8)
-    agent.register_memory(src)
-    conn.send((agent.get_agent_metadata(), src.data_ptr()))
-    while not conn.poll(0.005):
-        agent.get_new_notifs()  # progress, as a prefill worker's poller does
-
-
 def measure_grpc(sizes: list[int], repeats: int) -> dict[int, dict]:
     from pdserve.kv.blocks import LAYOUT_VERSION, BlockLayout
     from pdserve.kv.client import KVStoreClient
@@ -246,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
     copy = measure_copy(args.sizes_mib, 5)
     nixl = measure_nixl(args.sizes_mib, args.repeats)
-    raw = measure_raw_read(max(args.sizes_mib), args.repeats)
+    # The transport alone: one descriptor, no per-block work, no CRC.
+    raw = read_between_processes(max(args.sizes_mib), args.repeats, "cpu", "cpu")
     grpc_ = measure_grpc(args.sizes_mib, args.repeats)
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

@@ -36,7 +36,7 @@ from pdserve.core.spec_stats import SpecDecodeStats
 from pdserve.decode.kvstores import KnownKVStores
 from pdserve.engine.async_engine import AsyncEngine, EngineDead, Handover
 from pdserve.kv.blocks import FetchedBlocks, LayoutMismatch, show_key, tail_key
-from pdserve.kv.client import KVStoreClient
+from pdserve.kv.client import KVStoreClient, get_grouped
 from pdserve.kv.convert import layout_from_proto, layout_to_proto
 from pdserve.runtime import tracing
 from pdserve.runtime.service import Serving, run_service
@@ -50,7 +50,7 @@ from pdserve.wire.convert import (
     sampling_from_proto,
 )
 from pdserve.worker.grammars import GrammarPreparer
-from pdserve.worker.nixl import NixlEndpoint, NixlReadError, block_bytes_of, open_endpoint
+from pdserve.worker.nixl import NixlEndpoint, NixlReadError, open_endpoint
 from pdserve.worker.runtime import (
     error_status,
     prepare_grammar,
@@ -89,7 +89,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics = metrics or WorkerMetrics(engine, "decode")
         self.worker_id = worker_id
         self.layout = engine.info.layout
-        self.layout_bytes = block_bytes_of(self.layout)
         self.layout_proto = layout_to_proto(self.layout)
         self.known_kvstores = kvstores
         self.trust = trust
@@ -113,26 +112,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         address "" was never pushed), each checked against this worker's layout and its
         checksum. A replica whose fetch fails, whatever the gRPC error, gives nothing: its
         blocks are recomputed."""
-        by_address: dict[str, list[bytes]] = {}
-        for key, address in zip(keys, addresses, strict=True):
-            if address:
-                by_address.setdefault(address, []).append(key)
-        tail = tail_key(request_id)
-        results = await asyncio.gather(
-            *(
-                self._kvstore(address).get_blocks(
-                    self.layout_proto,
-                    wanted,
-                    timeout=self.fetch_timeout_s,
-                    single_use=[tail] if tail in wanted else [],
-                    metadata=metadata,
-                )
-                for address, wanted in by_address.items()
-            ),
-            return_exceptions=True,
+        results = await get_grouped(
+            self._kvstore,
+            self.layout_proto,
+            keys,
+            addresses,
+            self.fetch_timeout_s,
+            single_use=[tail_key(request_id)],
+            metadata=metadata,
         )
         fetched = FetchedBlocks()
-        for address, result in zip(by_address, results, strict=True):
+        for address, (wanted, result) in results.items():
             if isinstance(result, grpc.aio.AioRpcError):
                 self.num_fetch_failures += 1
                 self.metrics.transfer_failed("fetch")
@@ -142,11 +132,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     address,
                     result.code().name,
                     result.details(),
-                    len(by_address[address]),
+                    len(wanted),
                 )
                 continue
-            if isinstance(result, BaseException):
-                raise result
             if result.rejected:
                 key, why = next(iter(result.rejected.items()))
                 logger.warning(
@@ -298,7 +286,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.metrics.transfer(
                         "fetch",
                         blocks - num_read,
-                        num_bytes - num_read * self.layout_bytes,
+                        num_bytes - num_read * self.layout.block_bytes,
                         time.perf_counter() - began,
                     )
                 if span.is_recording():

@@ -180,6 +180,46 @@ class KVStoreClient:
         await self.close()
 
 
+GetResult = tuple[list[bytes], "FetchedBlocks | grpc.aio.AioRpcError"]
+
+
+async def get_grouped(
+    client: Callable[[str], KVStoreClient],
+    layout: common_pb2.BlockLayout,
+    keys: Sequence[bytes],
+    addresses: Sequence[str],
+    timeout: float,
+    single_use: Sequence[bytes] = (),
+    metadata: Metadata = None,
+) -> dict[str, GetResult]:
+    """Each key from its kvstore (``addresses``, one per key; "" has none), the replicas in
+    parallel through ``client(address)``: by address, the keys asked for and what came back,
+    or the gRPC error that ended that replica's get. Other errors are raised."""
+    by_address: dict[str, list[bytes]] = {}
+    for key, address in zip(keys, addresses, strict=True):
+        if address:
+            by_address.setdefault(address, []).append(key)
+    results = await asyncio.gather(
+        *(
+            client(address).get_blocks(
+                layout,
+                wanted,
+                timeout=timeout,
+                single_use=[k for k in single_use if k in wanted],
+                metadata=metadata,
+            )
+            for address, wanted in by_address.items()
+        ),
+        return_exceptions=True,
+    )
+    out = {}
+    for (address, wanted), result in zip(by_address.items(), results, strict=True):
+        if isinstance(result, BaseException) and not isinstance(result, grpc.aio.AioRpcError):
+            raise result
+        out[address] = (wanted, result)
+    return out
+
+
 class KVStorePlacement:
     """Owners of block keys, and one client per kvstore address."""
 

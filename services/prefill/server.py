@@ -21,7 +21,7 @@ from pdserve.controlplane.view import RegistryView
 from pdserve.core.finish_reason import FinishReason
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv.blocks import ExportedBlock, tail_key
-from pdserve.kv.client import KVStorePlacement
+from pdserve.kv.client import KVStorePlacement, get_grouped
 from pdserve.kv.convert import layout_to_proto
 from pdserve.runtime import tracing
 from pdserve.runtime.service import Serving, run_service
@@ -156,22 +156,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             owners = self.kvstores.owners(keys)
         except LookupError:
             return 0
-        by_address: dict[str, list[bytes]] = {}
-        for key, address in zip(keys, owners, strict=True):
-            by_address.setdefault(address, []).append(key)
         began = time.perf_counter()
         with tracing.start_span("prefill.kv_prefix_fetch", parent, kind=tracing.CLIENT) as span:
-            results = await asyncio.gather(
-                *(
-                    self.kvstores.client(address).get_blocks(
-                        self.layout, wanted, timeout=self.prefix_fetch_timeout_s
-                    )
-                    for address, wanted in by_address.items()
-                ),
-                return_exceptions=True,
+            results = await get_grouped(
+                self.kvstores.client, self.layout, keys, owners, self.prefix_fetch_timeout_s
             )
             fetched: dict[bytes, bytes] = {}
-            for address, result in zip(by_address, results, strict=True):
+            for address, (_, result) in results.items():
                 if isinstance(result, grpc.aio.AioRpcError):
                     logger.warning(
                         "request %s: prefix lookup in kvstore %s failed (%s); computing it",
@@ -180,8 +171,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         result.code().name,
                     )
                     continue
-                if isinstance(result, BaseException):
-                    raise result
                 fetched.update(result.found)
             if not fetched:
                 return 0

@@ -373,13 +373,6 @@ class NixlReadError(RuntimeError):
     recomputed."""
 
 
-def block_bytes_of(layout) -> int:
-    """Bytes of one whole block of ``layout`` (a BlockLayout)."""
-    itemsize = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-    heads = layout.total_kv_heads or layout.num_kv_heads
-    return layout.block_size * layout.num_layers * 2 * heads * layout.head_dim * itemsize
-
-
 def open_endpoint(
     role: str, transport, layout, worker_id: str, has_registry: bool, resources
 ) -> NixlEndpoint | None:
@@ -395,7 +388,7 @@ def open_endpoint(
             raise NixlUnavailable(
                 "workers find each other's NIXL agents in the registry, and --redis-url is not set"
             )
-        endpoint = NixlEndpoint(worker_id, transport.nixl_buffer_size, block_bytes_of(layout))
+        endpoint = NixlEndpoint(worker_id, transport.nixl_buffer_size, layout.block_bytes)
     except NixlUnavailable as e:
         if mode == "nixl":
             raise SettingsError(f"--kv-transport nixl: {e}") from None
