@@ -24,6 +24,7 @@ import pytest
 from pdserve.planner import kubernetes
 from pdserve.planner.actuators import ActuatorError
 from pdserve.planner.kubernetes import MERGE_PATCH, KubernetesActuator, from_settings
+from pdserve.settings.flags import parse_settings
 from pdserve.settings.planner import PlannerSettings
 from tests.helpers.tls_certs import make_cluster_certs
 
@@ -226,12 +227,10 @@ def test_from_settings_takes_the_pods_service_account_and_skips_an_absent_prefil
     monkeypatch.setattr(kubernetes, "SERVICE_ACCOUNT", account)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", cluster.api.url.rsplit(":", 1)[1])
-    settings = PlannerSettings(
-        profile="profile.json",
-        gateway_metrics=("http://gw:9400/metrics",),
-        disaggregation=False,
-        decode_deployment=POOLS["decode"],
-    )
+    argv = ["--profile=profile.json", "--gateway-metrics=http://gw:9400/metrics"]
+    argv += ["--redis-url=redis://127.0.0.1:6379/0", "--disaggregation=off"]
+    argv += [f"--decode-deployment={POOLS['decode']}"]
+    settings = parse_settings(PlannerSettings, argv, prog="pdserve planner", description="")
     actuator = from_settings(settings)
     assert actuator.api_url == cluster.api.url and actuator.namespace == NS
     assert actuator.replicas("decode") == 2
