@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.settings.commands import PrepareModelSettings, known_env
 from pdserve.settings.flags import parse_settings
+from pdserve.settings.planner import PlannerSettings
 from pdserve.settings.services import (
     DecodeSettings,
     GatewaySettings,
@@ -21,7 +22,16 @@ from pdserve.settings.services import (
     PrefillSettings,
 )
 from tests.helpers.chart_pods import expand
-from tests.helpers.helm_chart import CHART, CI_VALUES, component, helm, of_kind, render, template
+from tests.helpers.helm_chart import (
+    CHART,
+    CI_VALUES,
+    component,
+    helm,
+    of_kind,
+    render,
+    template,
+    values_args,
+)
 from tests.helpers.k8s_validate import validate
 
 VALUE_SETS = [None, *CI_VALUES]
@@ -32,6 +42,7 @@ SETTINGS = {
     "decode": DecodeSettings,
     "kvstore": KVStoreSettings,
     "prepare-model": PrepareModelSettings,
+    "planner": PlannerSettings,
 }
 
 
@@ -119,6 +130,10 @@ def test_the_validation_can_fail(rendered):
         ({"prefill.probes.readyness": {"periodSeconds": 2}}, "readyness"),
         ({"gateway.probes.liveness.timeoutSeconds": 0}, "/gateway/probes/liveness/timeoutSeconds"),
         ({"redis.password": "has space"}, "/redis/password"),
+        ({"autoscaling.mode": "keda"}, "/autoscaling/mode"),
+        ({"planner.headroom": -0.1}, "/planner/headroom"),
+        ({"planner.targets.ttftP90Ms": 0}, "/planner/targets/ttftP90Ms"),
+        ({"planner.serviceAccount": "x"}, "serviceAccount"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -211,8 +226,8 @@ def test_probes_ports_and_grace_fit_each_container(rendered, set_id):
                 continue
             (check,) = (probe[k] for k in ("grpc", "httpGet", "tcpSocket") if k in probe)
             assert check["port"] in (*ports, *ports.values()), (c["name"], kind)
-        if c.get("command", [""])[0] != "pdserve":
-            continue
+        if c.get("command", [""])[0] != "pdserve" or component(deployment) == "planner":
+            continue  # the planner serves no gRPC and drains nothing (its own test)
         port = flag(c, "port")
         assert port and int(port) in ports.values()
         if component(deployment) != "gateway":
@@ -487,3 +502,209 @@ def test_every_emptydir_has_a_size_limit(rendered):
             for volume in deployment["spec"]["template"]["spec"]["volumes"]:
                 if "emptyDir" in volume:
                     assert volume["emptyDir"].get("sizeLimit"), (set_id, name, volume["name"])
+
+
+PLANNER = {"autoscaling.mode": "planner", "planner.profile": '{"version": 1}'}  # not parsed
+AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")
+
+
+def only_container(deployment: dict) -> dict:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_the_planner_sizes_the_prefill_and_decode_pools_alone(rendered):
+    docs = rendered["planner"]
+    deployments = of_kind(docs, "Deployment")
+    planner = deployments["t-pdserve-planner"]
+    spec = planner["spec"]["template"]["spec"]
+    c = only_container(planner)
+    assert (planner["spec"]["replicas"], planner["spec"]["strategy"]) == (1, {"type": "Recreate"})
+    assert c["command"] == ["pdserve", "planner"] and c["image"].endswith("-slim")
+    # Its bounds are the pools' autoscaling bounds; its targets and pace the planner's values.
+    bounds = [flag(c, f) for f in ("min-prefill", "max-prefill", "min-decode", "max-decode")]
+    assert bounds == ["1", "6", "2", "12"]
+    assert [flag(c, f) for f in ("ttft-p90-ms", "itl-p90-ms", "interval", "scale-down-delay")] == [
+        "1500",
+        "150",
+        "15",
+        "600",
+    ]
+    assert [flag(c, f) for f in ("disaggregation", "local-prefill-threshold", "actuator")] == [
+        "on",
+        "0",
+        "kubernetes",
+    ]
+    assert flag(c, "dry-run") is None
+    # It scales exactly the pools' Deployments, which leave their replicas to it.
+    pools = [flag(c, "prefill-deployment"), flag(c, "decode-deployment")]
+    assert pools == ["t-pdserve-prefill", "t-pdserve-decode"]
+    for name in pools:
+        assert "replicas" not in deployments[name]["spec"], name
+    assert deployments["t-pdserve-kvstore"]["spec"]["replicas"] == 1
+    # The gateways keep their own HPA; no autoscaler touches the planner's pools.
+    hpas = of_kind(docs, "HorizontalPodAutoscaler").values()
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == {"t-pdserve-gateway"}
+    assert not of_kind(docs, "ScaledObject")
+    # The profile, from its ConfigMap, at the path --profile names.
+    config = of_kind(docs, "ConfigMap")["t-pdserve-planner-profile"]
+    assert config["data"]["profile.json"].startswith('{"version": 1,')
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "profile"]
+    assert volume["configMap"]["name"] == "t-pdserve-planner-profile"
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "profile"]
+    assert flag(c, "profile") == f"{mount['mountPath']}/{volume['configMap']['items'][0]['path']}"
+    # Redis and the internal token as every pod gets them; a pod as locked down as theirs.
+    decode = deployments["t-pdserve-decode"]["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in c["env"]}
+    for e in decode["containers"][0]["env"]:
+        if e["name"].startswith(("PDSERVE_REDIS", "PDSERVE_INTERNAL_TOKEN")):
+            assert env.pop(e["name"]) == e
+    assert env == {}
+    assert c["securityContext"] == decode["containers"][0]["securityContext"]
+    assert spec["securityContext"] == decode["securityContext"]
+    assert c["resources"] == {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[kind]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 9400}
+    assert flag(c, "metrics-port") == "9400"
+    (monitor,) = of_kind(docs, "PodMonitor").values()
+    assert labels_match(monitor["spec"]["selector"], pod_labels(planner))
+
+
+def test_the_planner_reads_every_gateway_pod_on_its_metrics_port(rendered):
+    docs = rendered["planner"]
+    deployments = of_kind(docs, "Deployment")
+    c = only_container(deployments["t-pdserve-planner"])
+    service = of_kind(docs, "Service")["t-pdserve-gateway-pods"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    (port,) = service["spec"]["ports"]
+    assert flag(c, "gateway-metrics") == f"http://t-pdserve-gateway-pods:{port['port']}/metrics"
+    gateway = deployments["t-pdserve-gateway"]
+    assert labels_match({"matchLabels": service["spec"]["selector"]}, pod_labels(gateway))
+    assert port["targetPort"] == "metrics"
+    assert flag(only_container(gateway), "metrics-port") == str(port["port"])
+    # The gateways' NetworkPolicy admits the planner there, and no other pod of the release.
+    policy = of_kind(docs, "NetworkPolicy")["t-pdserve-gateway"]
+    peers = [p for rule in policy["spec"]["ingress"] for p in rule.get("from", [])]
+    (planner,) = [p["podSelector"] for p in peers if "podSelector" in p]
+    assert planner["matchLabels"]["app.kubernetes.io/component"] == "planner"
+    assert labels_match(planner, pod_labels(deployments["t-pdserve-planner"]))
+    (rule,) = [
+        r for r in policy["spec"]["ingress"] if {"podSelector": planner} in r.get("from", [])
+    ]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    default = of_kind(rendered["default"], "NetworkPolicy")["t-pdserve-gateway"]
+    assert "podSelector" not in str(default["spec"]["ingress"])
+
+
+def test_the_planners_account_may_scale_its_two_pools_and_nothing_else(rendered):
+    docs = rendered["planner"]
+    (account,) = of_kind(docs, "ServiceAccount").values()
+    (role,) = of_kind(docs, "Role").values()
+    (binding,) = of_kind(docs, "RoleBinding").values()
+    assert account["metadata"]["name"] == "t-pdserve-planner"
+    assert account["automountServiceAccountToken"] is True
+    assert role["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments/scale"],
+            "verbs": ["get", "patch"],
+            "resourceNames": ["t-pdserve-prefill", "t-pdserve-decode"],
+        }
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "t-pdserve-planner"}]
+    assert not of_kind(docs, "ClusterRole") and not of_kind(docs, "ClusterRoleBinding")
+    # Its pod alone runs as that account with its token; no other pod mounts one.
+    for name, deployment in of_kind(docs, "Deployment").items():
+        spec = deployment["spec"]["template"]["spec"]
+        planner = name == "t-pdserve-planner"
+        assert spec["automountServiceAccountToken"] is planner, name
+        assert (spec.get("serviceAccountName") == "t-pdserve-planner") is planner, name
+
+
+def test_without_a_prefill_pool_the_planner_scales_the_decode_pool_alone():
+    docs = render(set_values={**PLANNER, "disaggregation": False, "planner.dryRun": True})
+    for doc in docs:
+        validate(doc)
+    c = only_container(of_kind(docs, "Deployment")["t-pdserve-planner"])
+    (role,) = of_kind(docs, "Role").values()
+    assert role["rules"][0]["resourceNames"] == ["t-pdserve-decode"]
+    assert (flag(c, "disaggregation"), flag(c, "dry-run")) == ("off", "on")
+    assert flag(c, "decode-deployment") == "t-pdserve-decode" and flag(c, "max-decode") == "8"
+    assert flag(c, "prefill-deployment") is None and flag(c, "min-prefill") is None
+
+
+def test_a_profile_of_ones_own_is_mounted_from_its_configmap():
+    docs = render(set_values={"autoscaling.mode": "planner", "planner.existingConfigMap": "mine"})
+    assert not of_kind(docs, "ConfigMap")
+    template_ = of_kind(docs, "Deployment")["t-pdserve-planner"]["spec"]["template"]
+    (volume,) = [v for v in template_["spec"]["volumes"] if v["name"] == "profile"]
+    items = [{"key": "profile.json", "path": "profile.json"}]
+    assert volume["configMap"] == {"name": "mine", "items": items}
+    assert "checksum/profile" not in template_["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"decode.autoscaling.enabled": True},
+            "set decode.autoscaling.enabled and decode.autoscaling.keda.enabled to false",
+        ),
+        (
+            {
+                "prefill.autoscaling.keda": {
+                    "enabled": True,
+                    "serverAddress": "http://p",
+                    "query": "q",
+                }
+            },
+            "autoscaling.mode planner sizes the prefill pool",
+        ),
+        ({"planner.profile": ""}, "needs the pools' profile: planner.profile"),
+        ({"planner.existingConfigMap": "mine"}, "not both"),
+        ({"planner.profile": "{not json"}, "planner.profile is not a JSON object"),
+    ],
+    ids=["decode-hpa", "prefill-keda", "no-profile", "two-profiles", "not-json"],
+)
+def test_planner_mode_refuses(values, message):
+    done = template(set_values={**PLANNER, **values}, check=False)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+def test_planner_mode_leaves_the_gateways_and_kvstores_autoscaling_alone():
+    values = {**PLANNER, "kvstore.autoscaling.enabled": True, "gateway.autoscaling.enabled": True}
+    hpas = of_kind(render(set_values=values), "HorizontalPodAutoscaler")
+    assert set(hpas) == {"t-pdserve-gateway", "t-pdserve-kvstore"}
+    # Without a prefill pool, its autoscaling block owns nothing: no conflict.
+    colocated = {**PLANNER, "disaggregation": False, "prefill.autoscaling.enabled": True}
+    assert not of_kind(render(set_values=colocated), "HorizontalPodAutoscaler")
+
+
+def test_mode_off_renders_no_autoscaler_whatever_the_pools_say(rendered):
+    every_pool = CHART / "ci" / "autoscaling-monitoring-values.yaml"
+    docs = render([every_pool], {"autoscaling.mode": "off"})
+    assert not [d for d in docs if d["kind"] in AUTOSCALERS]
+    deployments = of_kind(docs, "Deployment")
+    assert "t-pdserve-planner" not in deployments
+    for name, deployment in deployments.items():
+        assert deployment["spec"]["replicas"] >= 1, name  # the chart's replicas again
+    # The same values in mode hpa (the default): every pool's autoscaler, as before.
+    scaled = [d for d in rendered["autoscaling-monitoring"] if d["kind"] in AUTOSCALERS]
+    assert len(scaled) == 4
+
+
+def test_notes_say_the_planner_sizes_the_pools():
+    args = ["install", "t", str(CHART), "--dry-run=client", "--namespace", "pdserve"]
+    done = helm(*args, *values_args(set_values=PLANNER))
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert "The planner sizes the prefill and decode pools" in notes
+    assert "logs deploy/t-pdserve-planner" in notes

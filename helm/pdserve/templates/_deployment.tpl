@@ -8,7 +8,7 @@ The Deployment of one pdserve pool; every pool is this one shape.
 {{- $root := .root -}}
 {{- $pool := .pool -}}
 {{- $name := printf "%s-%s" (include "pdserve.fullname" $root) .component -}}
-{{- $scaled := or $pool.autoscaling.enabled $pool.autoscaling.keda.enabled -}}
+{{- $scaled := include "pdserve.scaledBy" (dict "root" $root "component" .component) -}}
 {{- $grace := add (int $pool.drainTimeout) (int $root.Values.preStopSleepSeconds) 15 -}}
 {{- $prepare := and .model (eq $root.Values.model.source "prepare") -}}
 {{- $cpuRequest := dig "requests" "cpu" "" ($pool.resources | default dict) -}}

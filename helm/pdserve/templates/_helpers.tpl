@@ -161,8 +161,7 @@ PDSERVE_NUM_THREADS has it) divided among them, at least 1. */}}
 
 {{/* The flags every pdserve service takes the same way. */}}
 {{- define "pdserve.commonArgs" -}}
-- {{ printf "--log-level=%s" .Values.logLevel | quote }}
-- {{ printf "--log-format=%s" .Values.logFormat | quote }}
+{{ include "pdserve.logArgs" . }}
 {{- if .Values.tls.enabled }}
 - "--tls-cert=/etc/pdserve/tls/tls.crt"
 - "--tls-key=/etc/pdserve/tls/tls.key"
@@ -171,6 +170,12 @@ PDSERVE_NUM_THREADS has it) divided among them, at least 1. */}}
 - {{ printf "--tls-server-name=%s" . | quote }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* How every pdserve process logs (the planner, which has no gRPC port, takes only these). */}}
+{{- define "pdserve.logArgs" -}}
+- {{ printf "--log-level=%s" .Values.logLevel | quote }}
+- {{ printf "--log-format=%s" .Values.logFormat | quote }}
 {{- end -}}
 
 {{/* The checkpoint directory every pdserve container passes as --model. */}}
