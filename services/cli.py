@@ -29,6 +29,21 @@ COMMANDS = {
     ),
     "generate": ("pdserve.engine.cli", "generate_main", "generate completions of prompts"),
     "chat": ("pdserve.engine.cli", "chat_main", "chat with the model in the terminal"),
+    "profile": (
+        "pdserve.planner.profile",
+        "main",
+        "measure a prefill and a decode worker of a model on this machine, for `plan`",
+    ),
+    "plan": (
+        "pdserve.planner.plan",
+        "main",
+        "the replicas per pool that meet TTFT and ITL targets for a traffic",
+    ),
+    "planner": (
+        "pdserve.planner.online",
+        "main",
+        "size a running cluster's prefill and decode pools to its traffic, continuously",
+    ),
     "bench": (
         "pdserve.loadgen.cli",
         "main",

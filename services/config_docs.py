@@ -29,6 +29,7 @@ from pdserve.settings.commands import (
     UpSettings,
 )
 from pdserve.settings.flags import Option, options
+from pdserve.settings.planner import PlannerSettings, PlanSettings, ProfileSettings
 from pdserve.settings.services import (
     DecodeSettings,
     GatewaySettings,
@@ -50,6 +51,9 @@ SETTINGS: dict[str, type] = {
     "chat": ChatSettings,
     "status": StatusSettings,
     "prepare-model": PrepareModelSettings,
+    "profile": ProfileSettings,
+    "plan": PlanSettings,
+    "planner": PlannerSettings,
 }
 ARGPARSE_COMMANDS = {"bench"}  # commands with a parser of their own, listed after
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import shlex
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,12 +33,15 @@ from pdserve.controlplane.registry import Keys, redis_errors
 from pdserve.core.model import default_model_dir, is_default_model, is_prepared, locate_model
 from pdserve.local.cluster_state import new_state, remove_state, write_state
 from pdserve.local.launcher import Child, Launcher, StartFailed, cpu_slices
+from pdserve.local.pools import LocalPools
 from pdserve.local.supervisor import GaveUp, RestartPolicy, Supervisor
+from pdserve.planner.model import Profile
 from pdserve.runtime.logs import configure_logging
 from pdserve.runtime.trust_files import read_pair, read_trust_files
 from pdserve.settings.commands import UpSettings, known_env
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.flags import env_names, parse_settings, secret_env, to_argv, warn_unknown_env
+from pdserve.settings.planner import PoolBounds
 from pdserve.settings.process import (
     InternalSecuritySettings,
     RedisSettings,
@@ -121,7 +126,7 @@ def run(settings: UpSettings, model: str) -> int:
     own = env_names([UpSettings])
     env = {k: v for k, v in os.environ.items() if k not in own}
     launcher = Launcher(log_dir, env=env, die_with_launcher=True)
-    redis = None
+    redis = planner = None
     try:
         print(f"pdserve up: logs in {log_dir}", flush=True)
         redis_url = settings.redis.redis_url
@@ -134,7 +139,8 @@ def run(settings: UpSettings, model: str) -> int:
             redis_url = redis.url
         print(f"  ✓ redis at {redact_url(redis_url)}", flush=True)
         redis_settings = RedisSettings(redis_url, settings.redis.redis_prefix)
-        gateway = _start(settings, model, launcher, redis_settings, stop_signal)
+        pools = _pools(settings, model, launcher, redis_settings) if settings.autoscale else None
+        gateway = _start(settings, model, launcher, redis_settings, stop_signal, pools)
         model_name = _served_model_name(gateway.addresses.get("gateway-http"))
         http = gateway.addresses.get("gateway-http")
         write_state(
@@ -153,7 +159,10 @@ def run(settings: UpSettings, model: str) -> int:
             settings.startup_timeout,
             on_exit=lambda child, pid: _forget_pid(redis_settings, child.name, pid),
         )
-        return _serve(supervisor, stop_signal)
+        if pools is not None:
+            pools.supervisor = supervisor
+            planner = _start_planner(settings, redis_settings, gateway, pools, model_name)
+        return _serve(supervisor, stop_signal, pools)
     except Interrupted:
         print("pdserve up: interrupted while starting; stopping", file=sys.stderr)
         return 130
@@ -161,6 +170,8 @@ def run(settings: UpSettings, model: str) -> int:
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if planner is not None:
+            planner.stop()
         remove_state(os.getpid())
         _stop_all(launcher, redis)
 
@@ -171,8 +182,10 @@ def _start(
     launcher: Launcher,
     redis: RedisSettings,
     stop_signal: list,
+    pools: LocalPools | None = None,
 ) -> Child:
-    """Start the kvstore and the workers together, then the gateway; return the gateway."""
+    """Start the kvstore and the workers together (``pools``' first workers, with
+    --autoscale), then the gateway; return the gateway."""
     registry = RegistrySettings(redis=redis)
     started = []
     if settings.prefill_workers > 0:
@@ -186,33 +199,21 @@ def _start(
         )
         started.append(_launch(launcher, "kvstore", "kvstore", kvstore))
     roles = ["prefill"] * settings.prefill_workers + ["decode"] * settings.num_decode
-    slices = engine_cpus(settings.cpu_layout, sorted(os.sched_getaffinity(0)), roles)
-    shared = len({c for cpus in slices for c in cpus}) < sum(len(cpus) for cpus in slices)
-    # A worker's tensor-parallel ranks run on its slice: more ranks than cores share them.
-    shared = shared or any(
-        settings.tensor_parallel_size(role) > len(cpus)
-        for role, cpus in zip(roles, slices, strict=True)
-    )
-    # OpenMP threads that wait for work spin for a while before they sleep; on a core
-    # another engine uses, that spinning steals its time.
-    env = {"GOMP_SPINCOUNT": "10000"} if shared else None
-    counts = {"prefill": 0, "decode": 0}
-    for role, cpus in zip(roles, slices, strict=True):
-        engine = worker_engine(settings, role, cpus, model)
-        cls = PrefillSettings if role == "prefill" else DecodeSettings
-        worker = cls(
-            server=ServerSettings(port=0),
-            transport=settings.transport,
-            registry=registry,
-            engine=engine,
-            watchdog=settings.watchdog,
-            tracing=settings.tracing,
-            security=settings.security,
-            log=settings.log,
+    if pools is not None:
+        started += [pools.add(role) for role in roles]
+    else:
+        slices = engine_cpus(settings.cpu_layout, sorted(os.sched_getaffinity(0)), roles)
+        shared = len({c for cpus in slices for c in cpus}) < sum(len(cpus) for cpus in slices)
+        # A worker's tensor-parallel ranks run on its slice: more ranks than cores share them.
+        shared = shared or any(
+            settings.tensor_parallel_size(role) > len(cpus)
+            for role, cpus in zip(roles, slices, strict=True)
         )
-        name = f"{role}-{counts[role]}"
-        counts[role] += 1
-        started.append(_launch(launcher, name, role, worker, cpus=cpus, env=env))
+        start_worker = _worker_starter(settings, model, launcher, registry, shared)
+        counts = {"prefill": 0, "decode": 0}
+        for role, cpus in zip(roles, slices, strict=True):
+            started.append(start_worker(role, f"{role}-{counts[role]}", cpus))
+            counts[role] += 1
     _wait_ready(launcher, started, settings.startup_timeout, stop_signal)
 
     gateway = GatewaySettings(
@@ -241,6 +242,128 @@ def _start(
     )
     child.argv = [*_PDSERVE, "gateway", *to_argv(pinned, secrets=False)]
     return child
+
+
+def _worker_starter(
+    settings: UpSettings,
+    model: str,
+    launcher: Launcher,
+    registry: RegistrySettings,
+    shared: bool,
+):
+    """``start(role, name, cpus)``: launch one worker on ``cpus`` (not waiting for it);
+    ``shared``: whether workers share cores."""
+    # OpenMP threads that wait for work spin for a while before they sleep; on a core
+    # another engine uses, that spinning steals its time.
+    env = {"GOMP_SPINCOUNT": "10000"} if shared else None
+
+    def start(role: str, name: str, cpus: Sequence[int]) -> Child:
+        engine = worker_engine(settings, role, cpus, model)
+        cls = PrefillSettings if role == "prefill" else DecodeSettings
+        worker = cls(
+            server=ServerSettings(port=0),
+            transport=settings.transport,
+            registry=registry,
+            engine=engine,
+            watchdog=settings.watchdog,
+            tracing=settings.tracing,
+            security=settings.security,
+            log=settings.log,
+        )
+        return _launch(launcher, name, role, worker, cpus=cpus, env=env)
+
+    return start
+
+
+def _pools(
+    settings: UpSettings, model: str, launcher: Launcher, redis: RedisSettings
+) -> LocalPools:
+    """The pools --autoscale resizes: each worker on the profile's cores per worker."""
+    profile = Profile.load(settings.planner.profile)
+    cpus = sorted(os.sched_getaffinity(0))
+    per_worker = settings.engine.num_threads or int(profile.hardware.get("cores_per_worker", 1))
+    registry = RegistrySettings(redis=redis)
+    # Shared cores when the largest pools would outnumber them.
+    bounds = _local_bounds(settings, len(cpus), per_worker)
+    most = min(bounds.max_prefill + bounds.max_decode, bounds.max_workers)
+    shared = most * per_worker > len(cpus)
+    start_worker = _worker_starter(settings, model, launcher, registry, shared)
+    return LocalPools(launcher, start_worker, cpus, per_worker, _STOP_TIMEOUT_S + 45.0)
+
+
+def _local_bounds(settings: UpSettings, cores: int, per_worker: int) -> PoolBounds:
+    """--max-workers, unless given, is what this machine's cores hold."""
+    bounds = settings.planner.bounds
+    if bounds.max_workers:
+        return bounds
+    return dataclasses.replace(bounds, max_workers=max(cores // max(per_worker, 1), 1))
+
+
+class _PlannerThread:
+    """The planner of --autoscale, in a thread of its own with its own event loop."""
+
+    def __init__(self, target) -> None:
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=target, args=(self.stopped,), name="planner")
+        self.thread.daemon = True
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+
+
+def _start_planner(
+    settings: UpSettings,
+    redis: RedisSettings,
+    gateway: Child,
+    pools: LocalPools,
+    model_name: str | None,
+) -> _PlannerThread:
+    """Run the planner over ``pools``, reading the gateway's metrics on its REST port."""
+    import asyncio
+
+    from pdserve.controlplane.signing import Verifier
+    from pdserve.controlplane.view import RegistryView
+    from pdserve.planner import online
+
+    profile = Profile.load(settings.planner.profile)
+    per_worker = pools.cores_per_worker
+    policy = dataclasses.replace(
+        settings.planner, bounds=_local_bounds(settings, len(pools.cpus), per_worker)
+    )
+    planner = online.Planner(
+        profile, policy, settings.disaggregation, settings.local_prefill_threshold
+    )
+    scraper = online.Scraper([f"http://{gateway.addresses['gateway-http']}/metrics"])
+    metrics = online.PlannerMetrics(model_name or profile.model)
+    token = settings.security.internal_token
+
+    def run(stopped: threading.Event) -> None:
+        async def main() -> None:
+            view = RegistryView(
+                redis.redis_url, prefix=redis.redis_prefix, verifier=Verifier.for_tokens(token)
+            )
+            await view.start()
+            try:
+                await online.run(planner, scraper, pools, metrics, view, stopped)
+            finally:
+                await view.close()
+
+        try:
+            asyncio.run(main())
+        except Exception:  # noqa: BLE001 - the cluster goes on at its last sizes
+            logging.getLogger("pdserve.planner").exception("the planner stopped")
+
+    b = policy.bounds
+    print(
+        f"  ✓ planner: every {policy.interval:g} s, targets p90 TTFT "
+        f"{policy.targets.ttft_p90_ms:g} ms and ITL {policy.targets.itl_p90_ms:g} ms; "
+        f"prefill {b.min_prefill}-{b.max_prefill}, decode {b.min_decode}-{b.max_decode}, "
+        f"at most {b.max_workers} workers of {per_worker} core(s)",
+        flush=True,
+    )
+    return _PlannerThread(run)
 
 
 def _port(address: str) -> int:
@@ -319,11 +442,13 @@ def _wait_ready(launcher: Launcher, children: list[Child], timeout: float, stop_
     on_tick()
 
 
-def _serve(supervisor: Supervisor, stop_signal: list) -> int:
-    """Keep the children running until a signal (exit 0), or until one crashes too often in
-    a row (exit 1)."""
+def _serve(supervisor: Supervisor, stop_signal: list, pools: LocalPools | None = None) -> int:
+    """Keep the children running (and, with --autoscale, the pools at the planner's sizes)
+    until a signal (exit 0), or until one crashes too often in a row (exit 1)."""
     while not stop_signal:
         try:
+            if pools is not None:
+                pools.reconcile()
             supervisor.tick()
         except GaveUp as e:
             print(f"pdserve up: {e}", file=sys.stderr, flush=True)

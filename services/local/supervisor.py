@@ -76,6 +76,14 @@ class Supervisor:
         now = time.monotonic()
         self._watched = [_Watched(c, ready_at=now) for c in children]
 
+    def watch(self, child: Child) -> None:
+        """Watch ``child``, just started: it is reported once ready, restarted if it exits."""
+        self._watched.append(_Watched(child, starting=True))
+
+    def unwatch(self, child: Child) -> None:
+        """Stop watching ``child`` (it is being stopped on purpose)."""
+        self._watched = [w for w in self._watched if w.child is not child]
+
     def tick(self) -> None:
         """Look at every child once: note exits, restart those whose backoff is over, report
         those that are back. GaveUp when one has crashed too often in a row."""
@@ -106,8 +114,9 @@ class Supervisor:
         if ready:
             w.starting = False
             w.ready_at = now
+            how = "back" if w.child._run else "ready"
             print(
-                f"  ✓ {w.child.name} back at {w.child.address} ({w.child.ready_after_s:.1f} s)",
+                f"  ✓ {w.child.name} {how} at {w.child.address} ({w.child.ready_after_s:.1f} s)",
                 flush=True,
             )
         elif now - w.child.started_at > self.startup_timeout_s:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.flags import check, env_names, setting
+from pdserve.settings.planner import PlannerPolicy, PlannerSettings, PlanSettings, ProfileSettings
 from pdserve.settings.process import (
     InternalSecuritySettings,
     LogSettings,
@@ -75,6 +76,13 @@ class UpSettings:
         "--tensor-parallel-size); its ranks share the worker's cores as the prefill ones do",
         metavar="N",
     )
+    autoscale: bool = setting(
+        False,
+        "let the planner size the pools (--prefill and --decode are the first sizes): every "
+        "--interval it reads the gateway's metrics, predicts with --profile, and starts or "
+        "drains workers, each on the profile's cores per worker",
+    )
+    planner: PlannerPolicy = setting(default_factory=PlannerPolicy)  # with --autoscale
     log_dir: str | None = setting(None, "where the services' logs go (default: a new temp dir)")
     startup_timeout: float = setting(300.0, "seconds every service gets to become ready")
     transport: KVTransportSettings = setting(default_factory=KVTransportSettings)  # workers'
@@ -108,6 +116,14 @@ class UpSettings:
             ("--decode-tensor-parallel-size", self.decode_tensor_parallel_size),
         ):
             check(size is None or size >= 1, f"{flag} must be >= 1, got {size}")
+        check(
+            not self.autoscale or bool(self.planner.profile),
+            "--autoscale needs --profile: a file from `pdserve profile`",
+        )
+        check(
+            not self.autoscale or self.http_port >= 0,
+            "--autoscale reads the gateway's metrics on its REST port: leave --http-port on",
+        )
         check(
             self.prefill_tensor_parallel_size is None or self.prefill_workers > 0,
             "--prefill-tensor-parallel-size needs a prefill worker: leave it unset with "
@@ -236,6 +252,9 @@ ALL_SETTINGS = (
     ChatSettings,
     StatusSettings,
     PrepareModelSettings,
+    ProfileSettings,
+    PlanSettings,
+    PlannerSettings,
 )
 
 

@@ -41,6 +41,13 @@ RULES: dict[str, set[str]] = {
     "pdserve.kvstore": _SERVICE,
     "pdserve.gateway": _SERVICE,
     "pdserve.loadgen": {"pdserve.core", "pdserve.settings"},
+    "pdserve.planner": {
+        "pdserve.core",
+        "pdserve.settings",
+        "pdserve.controlplane",
+        "pdserve.runtime",
+        "pdserve.loadgen",
+    },
 }
 # The harness of tests and benchmarks may use any layer; no layer may use it.
 RULES["pdserve.testing"] = set(RULES)
