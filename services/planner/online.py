@@ -435,10 +435,7 @@ async def run(
         obs = window.observe()
         if obs is not None and texts:
             try:
-                # (The Kubernetes actuator blocks up to its timeout: off the event loop.)
-                current = {
-                    pool: await asyncio.to_thread(target.replicas, pool) for pool in planner.pools
-                }
+                current = {pool: await _replicas(target, pool) for pool in planner.pools}
             except ActuatorError as e:
                 logger.error("%s", e)
                 metrics.error("actuator")
@@ -461,6 +458,14 @@ async def run(
                 if on_decisions is not None:
                     on_decisions(decisions)
         await _wait(stop, interval)
+
+
+async def _replicas(target: Actuator | RegistryCounts, pool: str) -> int:
+    """``pool``'s size now. The registry's view belongs to the event loop: read on it; an
+    actuator may block up to its timeout (the Kubernetes API): asked off the loop."""
+    if isinstance(target, RegistryCounts):
+        return target.replicas(pool)
+    return await asyncio.to_thread(target.replicas, pool)
 
 
 async def _wait(stop, seconds: float) -> None:

@@ -4,6 +4,7 @@ a traffic, and the online decisions' hysteresis on a fake clock."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -11,7 +12,15 @@ import sys
 import pytest
 
 from pdserve.planner.model import Curve, Profile, percentile
-from pdserve.planner.online import Observed, Planner, Window, bucket_percentile, parse_sample
+from pdserve.planner.online import (
+    Observed,
+    Planner,
+    PlannerMetrics,
+    Window,
+    bucket_percentile,
+    parse_sample,
+    run,
+)
 from pdserve.planner.plan import plan
 from pdserve.planner.simulate import Cluster, Traffic, simulate
 from pdserve.settings.planner import PlannerPolicy, PoolBounds, TargetSettings
@@ -230,6 +239,47 @@ def test_disaggregated_decisions_cover_both_pools():
     assert set(decisions) == {"prefill", "decode"}
     assert decisions["prefill"].desired >= 1
     assert decisions["decode"].desired + decisions["prefill"].desired > 2
+
+
+class _LoopView:
+    """Like RegistryView, readable only on its event loop: one decode worker."""
+
+    def workers(self, role: str) -> list[str]:
+        asyncio.get_running_loop()
+        return ["w"] if role == "decode" else []
+
+
+class _Gateway:
+    """A scraper of one gateway whose counter grows by 4 requests a read."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+
+    def read(self) -> tuple[list[str], list[str]]:
+        self.finished += 4
+        return [f'pdserve:request_success_total{{role="gateway"}} {self.finished}\n'], []
+
+
+def test_a_dry_run_reads_the_pools_from_the_registry_on_its_loop():
+    policy = PlannerPolicy(profile="x", interval=0.01, window=1.0)
+    planner = Planner(make_profile(), policy, disaggregation=False)
+    decided = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+
+        def on_decisions(decisions) -> None:
+            decided.extend(decisions)
+            stop.set()
+
+        metrics = PlannerMetrics("m")
+        await asyncio.wait_for(
+            run(planner, _Gateway(), None, metrics, _LoopView(), stop, on_decisions), 10
+        )
+
+    asyncio.run(main())
+    (d,) = decided
+    assert (d.pool, d.current) == ("decode", 1)
 
 
 def test_percentile_is_numpys_linear():
