@@ -4,7 +4,7 @@ shapes of cluster they serve from (``clusters``), fake workers and a fake kvstor
 sockets (``fake_workers``, ``kv_blocks``), the OpenAI error shape (``openai_errors``), the
 import trace of a start (``import_trace``), TLS certificates (``tls_certs``), the Helm
 chart rendered, validated and run as local processes (``helm_chart``, ``k8s_validate``,
-``chart_pods``), and what the docs show, checked (``docs_check``, ``shell_commands``,
+``chart_pods``), the tiny model's planner profile (``planner_profile``), and what the docs show, checked (``docs_check``, ``shell_commands``,
 ``command_checks``, ``parse_only``).
 
 What benchmarks use as well lives in ``pdserve.testing``. No test module imports another:

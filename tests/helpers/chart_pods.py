@@ -5,10 +5,14 @@ The only changes are those a node and its cluster network would make: every pod'
 ``0.0.0.0`` become 127.0.0.1, each pod's container ports become free local ports, and a
 Service's DNS name and port become the address of the pod it selects. Env comes from the
 manifests as the kubelet resolves it (values, the downward API, Secrets), ``$(VAR)`` is
-expanded in args as Kubernetes does, a Secret volume is written to a directory of the pod's
-own (and its mount path, in env and args, becomes that directory), and commands are looked up on a PATH that holds only
-``pdserve`` (this virtualenv's) and ``valkey-server`` (the Redis-compatible server found
-here). A pod is ready when its own readinessProbe passes, tried the way the kubelet would.
+expanded in args as Kubernetes does, a Secret or ConfigMap volume is written to a directory
+of the pod's own (and its mount path, in env and args, alone or as a ``--flag=PATH`` value,
+becomes that directory), and commands are looked up on a PATH that holds only ``pdserve``
+(this virtualenv's) and ``valkey-server`` (the Redis-compatible server found here). A pod is
+ready when its own readinessProbe passes, tried the way the kubelet would.
+
+A headless Service (``clusterIP: None``) names each pod it selects; here, where each pod's
+port is a different local port, it may select one pod only.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ class LocalCluster:
     def __init__(self, manifests: list[dict], log_dir: Path) -> None:
         self.manifests = manifests
         self.secrets = _secrets(manifests)
+        self.config_maps = {
+            d["metadata"]["name"]: d.get("data", {}) for d in manifests if d["kind"] == "ConfigMap"
+        }
         self.services = {d["metadata"]["name"]: d for d in manifests if d["kind"] == "Service"}
         self.pods = [
             Pod(f"{d['metadata']['name']}-{i}", d)
@@ -130,6 +137,11 @@ class LocalCluster:
         pods = [p for p in self.pods if selector.items() <= p.labels.items()]
         if not pods:
             raise AssertionError(f"Service {svc['metadata']['name']} selects no pod")
+        if svc["spec"].get("clusterIP") == "None" and len(pods) > 1:
+            raise AssertionError(
+                f"headless Service {svc['metadata']['name']} selects {len(pods)} pods: its "
+                "name stands for each of them, which one local address:port cannot"
+            )
         port = next(p for p in svc["spec"]["ports"] if p["port"] == service_port)
         target = port.get("targetPort", port["port"])
         pod = pods[0]
@@ -166,29 +178,46 @@ class LocalCluster:
 
     # -- volumes ----------------------------------------------------------------------------
 
-    def secret_volume_dir(self, pod: Pod, volume: str) -> Path:
-        """Where the pod's Secret volume ``volume`` is written."""
+    def volume_dir(self, pod: Pod, volume: str) -> Path:
+        """Where the pod's Secret or ConfigMap volume ``volume`` is written."""
         return self.log_dir / "volumes" / pod.name / volume
 
-    def _write_secret_volumes(self, pod: Pod) -> None:
+    def _volume_files(self, volume: dict) -> dict[str, str] | None:
+        """{path: text} of a Secret or ConfigMap volume (its items, or every key); None for
+        another kind (an emptyDir needs nothing, a hostPath is the same path here)."""
+        if "secret" in volume:
+            source, data = volume["secret"], self.secrets[volume["secret"]["secretName"]]
+        elif "configMap" in volume:
+            source, data = volume["configMap"], self.config_maps[volume["configMap"]["name"]]
+        else:
+            return None
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        return {item["path"]: data[item["key"]] for item in items}
+
+    def _write_volumes(self, pod: Pod) -> None:
         for volume in pod.spec.get("volumes", []):
-            if "secret" not in volume:
+            files = self._volume_files(volume)
+            if files is None:
                 continue
-            source = volume["secret"]
-            data = self.secrets[source["secretName"]]
-            items = source.get("items") or [{"key": k, "path": k} for k in data]
-            folder = self.secret_volume_dir(pod, volume["name"])
+            folder = self.volume_dir(pod, volume["name"])
             folder.mkdir(parents=True, exist_ok=True)
-            for item in items:
-                (folder / item["path"]).write_text(data[item["key"]])
+            for path, text in files.items():
+                (folder / path).write_text(text)
 
     def _mounted(self, pod: Pod, container: dict, text: str) -> str:
-        """``text`` with the mount path of a Secret volume made that volume's directory."""
-        secret_volumes = {v["name"] for v in pod.spec.get("volumes", []) if "secret" in v}
+        """``text`` (a path, or ``--flag=PATH``) with the mount path of a Secret or ConfigMap
+        volume made that volume's directory."""
+        written = {
+            v["name"] for v in pod.spec.get("volumes", []) if "secret" in v or "configMap" in v
+        }
+        flag, eq, path = text.partition("=") if text.startswith("--") else ("", "", text)
         for mount in container.get("volumeMounts", []):
-            if mount["name"] in secret_volumes and text.startswith(mount["mountPath"]):
-                local = str(self.secret_volume_dir(pod, mount["name"]))
-                return local + text[len(mount["mountPath"]) :]
+            mount_path = mount["mountPath"]
+            if mount["name"] in written and (
+                path == mount_path or path.startswith(mount_path.rstrip("/") + "/")
+            ):
+                local = str(self.volume_dir(pod, mount["name"]))
+                return flag + eq + local + path[len(mount_path) :]
         return text
 
     def _value_from(self, pod: Pod, container: dict, source: dict) -> str:
@@ -242,7 +271,7 @@ class LocalCluster:
     def _start_pod(self, pod: Pod) -> list[Running]:
         if pod.spec.get("initContainers"):
             raise AssertionError(f"{pod.name}: init containers are not emulated")
-        self._write_secret_volumes(pod)
+        self._write_volumes(pod)
         started = []
         for container in pod.spec["containers"]:
             env = self.env_of(pod, container)
@@ -304,6 +333,42 @@ class LocalCluster:
     def stop(self) -> None:
         """Every process, by PID: SIGTERM (each drains), then SIGKILL after 15 s."""
         self.launcher.stop_all()
+
+
+def _admits(policy: dict, pod_labels: dict, port: str, peer: dict) -> bool:
+    """Whether ``policy`` selects a pod of ``pod_labels`` and admits ``peer`` to ``port``."""
+    selector = policy["spec"]["podSelector"]
+    if any(pod_labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        inside = pod_labels.get(e["key"]) in e["values"]
+        if inside != (e["operator"] == "In"):
+            return False
+    return any(
+        any(p["port"] == port for p in rule.get("ports", [])) and peer in rule.get("from", [])
+        for rule in policy["spec"].get("ingress", [])
+    )
+
+
+def scrape_every_pod(cluster: LocalCluster) -> dict[str, str]:
+    """GET /metrics on every pod's port named metrics, as Prometheus does, each through a
+    NetworkPolicy rule that admits the monitoring namespace to it: {pod: its base URL}."""
+    monitoring = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
+    policies = [m for m in cluster.manifests if m["kind"] == "NetworkPolicy"]
+    scraped = {}
+    for pod in cluster.pods:
+        try:
+            port = pod.ports[pod.port_named("metrics")]
+        except KeyError:
+            continue
+        assert any(_admits(p, pod.labels, "metrics", monitoring) for p in policies), pod.name
+        url = f"http://127.0.0.1:{port}"
+        answer = httpx.get(f"{url}/metrics", timeout=10)
+        assert answer.status_code == 200 and "pdserve:" in answer.text, pod.name
+        scraped[pod.name] = url
+    return scraped
 
 
 def expand(text: str, env: dict[str, str]) -> str:

@@ -20,7 +20,7 @@ import redis
 
 from pdserve.controlplane.signing import Verifier
 from pdserve.testing.metrics import metric
-from tests.helpers.chart_pods import LocalCluster
+from tests.helpers.chart_pods import LocalCluster, scrape_every_pod
 from tests.helpers.helm_chart import render
 
 START_S = 120.0
@@ -69,42 +69,6 @@ def cluster(tmp_path, tiny_chat_llama_path):
         c.stop()
     codes = {r.child.name: r.child.proc.returncode for r in c.running}
     assert all(code == 0 for code in codes.values()), f"not a clean drain on SIGTERM: {codes}"
-
-
-def _admits(policy: dict, pod_labels: dict, port: str, peer: dict) -> bool:
-    """Whether ``policy`` selects a pod of ``pod_labels`` and admits ``peer`` to ``port``."""
-    selector = policy["spec"]["podSelector"]
-    if any(pod_labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for e in selector.get("matchExpressions", []):
-        inside = pod_labels.get(e["key"]) in e["values"]
-        if inside != (e["operator"] == "In"):
-            return False
-    return any(
-        any(p["port"] == port for p in rule.get("ports", [])) and peer in rule.get("from", [])
-        for rule in policy["spec"].get("ingress", [])
-    )
-
-
-def scrape_every_pod(cluster: LocalCluster) -> dict[str, str]:
-    """GET /metrics on every pod's port named metrics, as Prometheus does, each through a
-    NetworkPolicy rule that admits the monitoring namespace to it: {pod: its base URL}."""
-    monitoring = {
-        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
-    }
-    policies = [m for m in cluster.manifests if m["kind"] == "NetworkPolicy"]
-    scraped = {}
-    for pod in cluster.pods:
-        try:
-            port = pod.ports[pod.port_named("metrics")]
-        except KeyError:
-            continue
-        assert any(_admits(p, pod.labels, "metrics", monitoring) for p in policies), pod.name
-        url = f"http://127.0.0.1:{port}"
-        answer = httpx.get(f"{url}/metrics", timeout=10)
-        assert answer.status_code == 200 and "pdserve:" in answer.text, pod.name
-        scraped[pod.name] = url
-    return scraped
 
 
 def status(cluster: LocalCluster) -> dict:
