@@ -41,6 +41,9 @@ def p50_p99(metric: str, selector: str, by: str = "") -> list[tuple[str, str]]:
 GATEWAY = f'role="gateway",{M}'
 POOLS = f'role=~"prefill|decode",{M}'
 KVSTORE = 'role="kvstore"'
+# Not by $model_name: the planner's model_name is its profile's model, which need not be the
+# name the gateways serve it by.
+PLANNER = 'role="planner"'
 
 ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     (
@@ -137,6 +140,74 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
                         quantile("pdserve:request_decode_time_seconds", 0.99, POOLS, "role"),
                         "decode p99 {{role}}",
                     ),
+                ],
+            ),
+        ],
+    ),
+    (
+        "Planner (autoscaling.mode planner)",
+        [
+            (
+                "Replicas by pool: desired and current",
+                "short",
+                [
+                    (
+                        f"max by (pool) (pdserve:planner_desired_replicas{{{PLANNER}}})",
+                        "desired {{pool}}",
+                    ),
+                    (
+                        f"max by (pool) (pdserve:planner_current_replicas{{{PLANNER}}})",
+                        "current {{pool}}",
+                    ),
+                ],
+            ),
+            (
+                "p90 time to first token: predicted and seen",
+                "s",
+                [
+                    (
+                        f"max (pdserve:planner_predicted_ttft_seconds{{{PLANNER}}})",
+                        "predicted at the desired replicas",
+                    ),
+                    (
+                        quantile("pdserve:time_to_first_token_seconds", 0.9, GATEWAY),
+                        "seen (gateway)",
+                    ),
+                ],
+            ),
+            (
+                "p90 inter-token latency: predicted and seen",
+                "s",
+                [
+                    (
+                        f"max (pdserve:planner_predicted_itl_seconds{{{PLANNER}}})",
+                        "predicted at the desired replicas",
+                    ),
+                    (
+                        quantile("pdserve:inter_token_latency_seconds", 0.9, GATEWAY),
+                        "seen (gateway)",
+                    ),
+                ],
+            ),
+            (
+                "Request rate the planner sees",
+                "reqps",
+                [
+                    (
+                        f"max (pdserve:planner_observed_request_rate{{{PLANNER}}})",
+                        "over its window",
+                    )
+                ],
+            ),
+            (
+                "Scaling decisions (5 min) by pool, direction and reason",
+                "short",
+                [
+                    (
+                        "sum by (pool, direction, reason) "
+                        f'(increase(pdserve:planner_decisions_total{{{PLANNER},direction!="hold"}}[5m]))',
+                        "{{pool}} {{direction}} ({{reason}})",
+                    )
                 ],
             ),
         ],
@@ -368,8 +439,8 @@ def dashboard() -> dict:
     return {
         "title": "pdserve",
         "uid": "pdserve",
-        "description": "A pdserve cluster by pool: latency, throughput, queues, KV cache, "
-        "KV transfer, routing (docs/observability.md).",
+        "description": "A pdserve cluster by pool: latency, throughput, queues, the "
+        "planner's decisions, KV cache, KV transfer, routing (docs/observability.md).",
         "tags": ["pdserve", "llm"],
         "schemaVersion": 39,
         "version": 1,

@@ -1,7 +1,8 @@
 """Every service's Prometheus /metrics, scraped from real processes registered in a real
-Redis and parsed with prometheus_client's parser: names, types and labels, counters and
-histograms moving by exactly what a known set of requests did, the metrics addresses in
-the registry and `pdserve status --json`, and the Grafana dashboard's every query."""
+Redis (and a `pdserve planner --dry-run` deciding for them) and parsed with
+prometheus_client's parser: names, types and labels, counters and histograms moving by
+exactly what a known set of requests did, the metrics addresses in the registry and
+`pdserve status --json`, and the Grafana dashboard's every query."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.local.launcher import Child
+from pdserve.testing.cluster import Cluster
 from pdserve.testing.metrics import families, samples, scrape, value
 from tests.helpers.clusters import running
 from tests.helpers.flags import ENGINE
+from tests.helpers.planner_profile import write_tiny_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +70,18 @@ def cluster(tiny_chat_llama_path, shared_redis_server, tmp_path_factory):
         }
         c.http_address = gw.addresses["gateway-http"]
         _wait_for_pools(c.metrics_urls["gateway"])
+        planner = _start_planner(c, reg, tmp_path_factory.mktemp("planner"))
+        c.metrics_urls["planner"] = f"http://{planner.address}"
         yield c
+
+
+def _start_planner(c: Cluster, reg: list[str], folder: Path) -> Child:
+    """`pdserve planner --dry-run` over the cluster: its gateway's metrics, its registry."""
+    argv = [sys.executable, "-m", "pdserve.cli", "planner", *reg]
+    argv += ["--gateway-metrics", f"{c.metrics_urls['gateway']}/metrics"]
+    argv += ["--profile", str(write_tiny_profile(folder)), "--dry-run"]
+    argv += ["--host", "127.0.0.1", "--metrics-port", "0", "--interval", "0.5", "--window", "2"]
+    return c.launcher.start_ready("planner", argv, ["planner"], timeout=60)
 
 
 def _wait_for_pools(gateway_url: str) -> None:
@@ -133,6 +148,15 @@ EXPECTED = {
         ("pdserve:kvstore_evictions", "counter"),
         ("pdserve:kvstore_request_seconds", "histogram"),
     },
+    "planner": {
+        ("pdserve:planner_desired_replicas", "gauge"),
+        ("pdserve:planner_current_replicas", "gauge"),
+        ("pdserve:planner_predicted_ttft_seconds", "gauge"),
+        ("pdserve:planner_predicted_itl_seconds", "gauge"),
+        ("pdserve:planner_observed_request_rate", "gauge"),
+        ("pdserve:planner_decisions", "counter"),
+        ("pdserve:planner_errors", "counter"),
+    },
 }
 
 
@@ -166,7 +190,8 @@ def measured(cluster):
         done = value(after["decode"], "pdserve:request_success_total") - value(
             before["decode"], "pdserve:request_success_total"
         )
-        if done >= len(PROMPTS) or time.monotonic() > deadline:
+        decided = value(after["planner"], "pdserve:planner_decisions_total") > 0
+        if (done >= len(PROMPTS) and decided) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     return before, after, usages
