@@ -16,6 +16,7 @@ All times are as the client of the gateway sees them at no load:
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -66,6 +67,9 @@ class Profile:
     attention_ms_per_token: float
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    # Quantiles (0, 5, ..., 100%) of a decode gap over its batch's median, as measured: the
+    # spread of steps and of their delivery to the client; (1.0,): none.
+    jitter: tuple[float, ...] = (1.0,)
     measured: dict = field(default_factory=dict)  # what was measured, how long it took
 
     @property
@@ -76,8 +80,14 @@ class Profile:
         )
 
     def prefill_ms(self, prompt: float) -> float:
-        """Time to first token of a prompt of ``prompt`` tokens, alone."""
-        return max(self.prefill(prompt), 0.5 * self.prefill.y[0])
+        """Time to first token of a prompt of ``prompt`` tokens, alone: a + b L + c L^2 (the
+        linears and the attention) fitted to the measured points, each weighed by its
+        relative error; straight lines between them with fewer than 3."""
+        fit = _quadratic(self.prefill) if len(self.prefill.x) >= 3 else None
+        value = (
+            self.prefill(prompt) if fit is None else fit[0] + (fit[1] + fit[2] * prompt) * prompt
+        )
+        return max(value, 0.5 * self.prefill.y[0])
 
     @property
     def overhead_ms(self) -> float:
@@ -99,6 +109,13 @@ class Profile:
 
     def handover_ms(self, prompt: float) -> float:
         return max(self.handover(prompt), 0.0)
+
+    def jitter_at(self, u: float) -> float:
+        """The gap-over-median ratio at quantile ``u`` in [0, 1)."""
+        q = self.jitter
+        if len(q) == 1:
+            return q[0]
+        return interpolate([i / (len(q) - 1) for i in range(len(q))], q, u)
 
     def step_ms(self, batch: int, context_tokens: int) -> float:
         """One decode step of ``batch`` sequences holding ``context_tokens`` in all."""
@@ -137,6 +154,7 @@ class Profile:
                 attention_ms_per_token=float(data["attention_ms_per_token"]),
                 max_num_seqs=int(data.get("max_num_seqs", 64)),
                 max_num_batched_tokens=int(data.get("max_num_batched_tokens", 1024)),
+                jitter=tuple(float(v) for v in data.get("jitter", (1.0,))),
                 measured=dict(data.get("measured", {})),
                 **curves,
             )
@@ -157,6 +175,27 @@ class Profile:
         if not isinstance(data, dict):
             raise ValueError(f"the profile {path} is not a JSON object")
         return cls.from_json(data)
+
+
+@functools.lru_cache(maxsize=64)
+def _quadratic(curve: Curve) -> tuple[float, float, float] | None:
+    """Least squares a + b x + c x^2 through ``curve``'s points, relative errors (None when
+    singular)."""
+    rows = [(1 / y, x / y, x * x / y) for x, y in zip(curve.x, curve.y, strict=True) if y > 0]
+    # The normal equations: (A^T A) c = A^T 1.
+    m = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    v = [sum(r[i] for r in rows) for i in range(3)]
+    for col in range(3):  # Gauss-Jordan with partial pivoting
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot], v[col], v[pivot] = m[pivot], m[col], v[pivot], v[col]
+        for r in range(3):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
+                v[r] -= f * v[col]
+    return tuple(v[i] / m[i][i] for i in range(3))
 
 
 def _slug(text: str) -> str:

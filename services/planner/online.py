@@ -543,6 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dry-run logs the decisions only. Serves its metrics and /health on --metrics-port.",
     )
     configure_logging(settings.log)
+    from pdserve.settings.commands import known_env
+    from pdserve.settings.flags import warn_unknown_env
+
+    warn_unknown_env(known_env())
     try:
         profile = Profile.load(settings.policy.profile)
         return asyncio.run(_main(settings, profile))

@@ -34,11 +34,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.planner.model import Curve, Profile
+from pdserve.planner.model import Curve, Profile, percentile
 
 SHORT_PROMPT = 32  # tokens of the decode measurements' prompts
 DECODE_TOKENS = 48  # tokens each decode measurement's requests generate
-PREFILL_TOKENS = 6  # tokens each prefill measurement's requests generate
+PREFILL_TOKENS = 16  # tokens each prefill measurement's requests generate
 
 
 class ProfileError(RuntimeError):
@@ -193,12 +193,16 @@ def measure(base_url: str, model: str, tokenizer_dir: Path, settings, progress) 
         first = statistics.median(r.itl[0] * 1000.0 for r in streamed)
         handover.append(max(first - step, 0.0))
         attention.append((length, step))
-    decode = []
+    decode, ratios = [], []
     for batch in batches:
         progress(f"decode steps at batch {batch}")
         _records(base_url, model, sessions(SHORT_PROMPT, 8, batch), batch)  # warm-up
         recs = _records(base_url, model, sessions(SHORT_PROMPT, DECODE_TOKENS, batch), batch)
-        decode.append(statistics.median(_steady_gaps(recs)))
+        gaps = _steady_gaps(recs)
+        step = statistics.median(gaps)
+        ratios += [g / step for g in gaps]
+        # A larger batch is no cheaper a step: a dip is the measurement's noise.
+        decode.append(max(step, decode[-1]) if decode else step)
     context = SHORT_PROMPT + DECODE_TOKENS // 2
     curve = Curve(tuple(map(float, batches)), tuple(decode))
     long_batch = batches[len(batches) // 2]
@@ -217,6 +221,7 @@ def measure(base_url: str, model: str, tokenizer_dir: Path, settings, progress) 
         "handover": Curve(tuple(map(float, lens)), tuple(handover)),
         "decode": curve,
         "context": context,
+        "jitter": tuple(percentile(ratios, q) for q in range(0, 101, 5)),
         "attention_ms_per_token": _least_squares_slope(points),
         "points": {
             "attention": [list(p) for p in points],

@@ -173,7 +173,9 @@ def simulate(profile: Profile, cluster: Cluster, traffic: Traffic, seed: int = 0
             d.busy = False
             return
         d.busy = True
-        cost += profile.step_ms(len(rows), sum(r.context for r in rows)) if rows else 0.0
+        if rows:
+            step = profile.step_ms(len(rows), sum(r.context for r in rows))
+            cost += step * profile.jitter_at(rng.random())
         push(t + cost, "step", (d, rows, chunks))
 
     while events:

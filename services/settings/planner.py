@@ -68,7 +68,7 @@ class ProfileSettings:
         1, "cores each measured worker is pinned to: the size of one worker in the plan"
     )
     prompt_lens: tuple[str, ...] = setting(
-        ("64", "256", "1024", "2048"),
+        ("64", "256", "512", "1024", "2048"),
         "prompt lengths whose prefill is measured (repeatable; the variable is comma-separated)",
         flag="--prompt-len",
         metavar="TOKENS",

@@ -8,15 +8,12 @@ ActuatorError that says what to change, within the timeout."""
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,110 +23,11 @@ from pdserve.planner.actuators import ActuatorError
 from pdserve.planner.kubernetes import MERGE_PATCH, KubernetesActuator, from_settings
 from pdserve.settings.flags import parse_settings
 from pdserve.settings.planner import PlannerSettings
+from tests.helpers.kube_api import ScaleAPI, serve
 from tests.helpers.tls_certs import make_cluster_certs
 
 NS = "pdserve"
 POOLS = {"prefill": "t-pdserve-prefill", "decode": "t-pdserve-decode"}
-SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")
-ACCOUNT = "system:serviceaccount:pdserve:t-pdserve-planner"
-
-
-@dataclass
-class Request:
-    method: str
-    path: str
-    authorization: str | None
-    content_type: str | None
-    body: dict | None
-
-
-@dataclass
-class ScaleAPI:
-    """The scale subresource of the Deployments it holds, as the API server serves it."""
-
-    token: str
-    replicas: dict[tuple[str, str], int]
-    # (verb, namespace, name) the caller's Role allows: the chart's planner Role
-    allowed: set[tuple[str, str, str]] = field(default_factory=set)
-    requests: list[Request] = field(default_factory=list)
-    url: str = ""
-
-    def answer(self, req: Request) -> tuple[int, dict]:
-        self.requests.append(req)
-        if req.authorization != f"Bearer {self.token}":
-            return 401, _status(401, "Unauthorized", "Unauthorized")
-        m = SCALE_PATH.match(req.path)
-        if not m:
-            return 404, _status(404, "NotFound", "the server could not find the requested resource")
-        ns, name = m.groups()
-        verb = {"GET": "get", "PATCH": "patch"}[req.method]
-        if (verb, ns, name) not in self.allowed:
-            message = (
-                f'deployments.apps "{name}" is forbidden: User "{ACCOUNT}" cannot {verb} '
-                f'resource "deployments/scale" in API group "apps" in the namespace "{ns}"'
-            )
-            return 403, _status(403, "Forbidden", message)
-        if (ns, name) not in self.replicas:
-            return 404, _status(404, "NotFound", f'deployments.apps "{name}" not found')
-        if req.method == "PATCH":
-            if req.content_type != MERGE_PATCH:
-                return 415, _status(415, "UnsupportedMediaType", str(req.content_type))
-            self.replicas[ns, name] = req.body["spec"]["replicas"]
-        return 200, _scale(ns, name, self.replicas[ns, name])
-
-
-def _status(code: int, reason: str, message: str) -> dict:
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
-
-
-def _scale(ns: str, name: str, replicas: int) -> dict:
-    spec = {"replicas": replicas} if replicas else {}  # omitempty, as the API server has it
-    return {
-        "kind": "Scale",
-        "apiVersion": "autoscaling/v1",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": spec,
-        "status": {"replicas": replicas},
-    }
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def _serve(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        req = Request(
-            self.command,
-            self.path,
-            self.headers.get("Authorization"),
-            self.headers.get("Content-Type"),
-            json.loads(raw) if raw else None,
-        )
-        code, body = self.server.api.answer(req)
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    do_GET = do_PATCH = _serve
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    api: ScaleAPI
 
 
 @dataclass
@@ -165,14 +63,9 @@ def cluster(tmp_path) -> Iterator[Cluster]:
         },
         allowed={(verb, NS, name) for verb in ("get", "patch") for name in POOLS.values()},
     )
-    server = _Server(("127.0.0.1", 0), _Handler)
-    server.api = api
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(certs.service.cert, certs.service.key)
-    server.socket = context.wrap_socket(server.socket, server_side=True)
-    api.url = f"https://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
+    server = serve(api, lambda sock: context.wrap_socket(sock, server_side=True))
     token_file = tmp_path / "token"
     token_file.write_text("token-1\n")
     try:

@@ -177,6 +177,15 @@ def test_autoscale_follows_a_load_ramp_without_failing_a_request(
     assert downs and after_began < downs[0] < ended, text[-3000:]
     assert "draining decode-1" in text or "draining decode-1" in out + proc.stdout.read().decode()
 
+    # Requests in flight as the scale-in began (a drain lets them finish, or hands them on).
+    began = {id(r): b + r.start for _, b, recs in phases for r in recs}
+    in_flight = [r for r in records if began[id(r)] <= downs[0] <= began[id(r)] + r.e2el]
+    print(
+        f"rates {low:.1f} -> {high:.1f} -> {low:.1f} req/s; scale-up decided "
+        f"{ups[0] - high_began:.1f} s after the step; scale-in {downs[0] - after_began:.1f} s "
+        f"after the step down, {len(in_flight)} request(s) in flight; {len(records)} requests"
+    )
+
     # The targets hold at p90 in the steady phases: low before, high once the new worker
     # serves, low after the scale-in.
     steady = [

@@ -63,16 +63,19 @@ def test_one_request_alone_sees_the_profile():
     p = make_profile()
     one = Traffic(0.001, 256, 8, num_prompts=1)
     disagg = simulate(p, Cluster(1, 1), one)
-    assert disagg.ttft_ms == [pytest.approx(150.0)]
+    # The prefill curve is a quadratic fitted to the points (the linears and attention).
+    assert p.prefill_ms(256) == pytest.approx(150.0, rel=0.1)
+    assert disagg.ttft_ms == [pytest.approx(p.prefill_ms(256))]
     # The second token: hand-over, then a step at batch 1; then steps.
     assert disagg.itl_ms[0] == pytest.approx(8.0 + p.step_ms(1, 257))
     assert disagg.itl_ms[1] == pytest.approx(p.step_ms(1, 258))
     assert len(disagg.itl_ms) == 7 and disagg.completed == 1
     colocated = simulate(p, Cluster(0, 1), one)
     # Prefilled in one chunk of 256 (under 512) on the decode worker: the same TTFT.
-    assert colocated.ttft_ms == [pytest.approx(150.0)]
+    assert colocated.ttft_ms == [pytest.approx(p.prefill_ms(256))]
     long = simulate(p, Cluster(0, 1), Traffic(0.001, 1024, 4, num_prompts=1))
-    assert long.ttft_ms == [pytest.approx(520.0)]  # two chunks that add up to the prefill
+    # Two chunks that add up to the prefill.
+    assert long.ttft_ms == [pytest.approx(p.prefill_ms(1024))]
 
 
 def test_load_queues_and_more_workers_relieve_it():
@@ -285,3 +288,15 @@ def test_a_dry_run_reads_the_pools_from_the_registry_on_its_loop():
 def test_percentile_is_numpys_linear():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([5], 90) == 5 and percentile([], 90) == 0.0
+
+
+def test_prefill_between_the_points_follows_a_quadratic():
+    """Prefill is linears plus attention, a + b L + c L^2: between measured lengths the fit
+    follows it where straight lines between the points would overshoot."""
+    true = lambda n: 20.0 + 1.2 * n + 0.0007 * n * n  # noqa: E731
+    xs = (64.0, 256.0, 1024.0, 2048.0)
+    p = make_profile(prefill=Curve(xs, tuple(true(x) for x in xs)))
+    assert p.prefill_ms(512) == pytest.approx(true(512), rel=1e-6)
+    assert p.prefill(512) > 1.1 * true(512)  # the straight line's error
+    two = make_profile(prefill=Curve((64.0, 256.0), (60.0, 150.0)))
+    assert two.prefill_ms(128) == pytest.approx(90.0)  # two points: a straight line
