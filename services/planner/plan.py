@@ -99,12 +99,13 @@ def plan(
     layout: str = "auto",
     thresholds: Sequence[int] | None = None,
     seed: int = 0,
+    runs: int = 1,
 ) -> Plan:
     """The fewest workers that meet ``targets``; if none do within ``bounds``, the cluster of
     the most workers that comes closest."""
     tried: list[Candidate] = []
     for group in clusters(bounds, layout, traffic, thresholds):
-        candidates = [Candidate(c, simulate(profile, c, traffic, seed)) for c in group]
+        candidates = [Candidate(c, _pooled(profile, c, traffic, seed, runs)) for c in group]
         tried += candidates
         meeting = [c for c in candidates if c.meets(targets)]
         if meeting:
@@ -116,6 +117,19 @@ def plan(
         (c for c in tried if c.cluster.workers == largest), key=lambda c: c.slack(targets)
     )
     return Plan(closest, tried, traffic, targets)
+
+
+def _pooled(profile: Profile, cluster: Cluster, traffic: Traffic, seed: int, runs: int):
+    """``runs`` simulations of ``traffic`` (seeds from ``seed``), their requests pooled: the
+    percentiles a run of that many requests has on average, not one draw's."""
+    first = simulate(profile, cluster, traffic, seed)
+    for k in range(1, runs):
+        more = simulate(profile, cluster, traffic, seed + k)
+        first.ttft_ms += more.ttft_ms
+        first.itl_ms += more.itl_ms
+        first.completed += more.completed
+        first.arrival_ms += more.arrival_ms
+    return first
 
 
 def _text(result: Plan, profile: Profile) -> str:
@@ -181,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings.bounds,
             settings.disaggregation,
             seed=settings.seed,
+            runs=settings.runs,
         )
     except ValueError as e:
         print(f"pdserve plan: error: {e}", file=sys.stderr)

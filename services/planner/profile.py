@@ -9,8 +9,9 @@ and measures through the gateway's OpenAI API, as a client would:
    time to first token; the second token's gap less a decode step is the hand-over;
 2. decode: --batch-size requests at once with short prompts: the median gap between tokens
    while all of them are running is the step at that batch;
-3. attention: the steps of the prefill runs (batch 1 at each prompt length) and a batch at
-   --long-context give what a further token of context adds to a step.
+3. attention: the steps of the prefill runs (batch 1 at each prompt length) and two
+   requests of --long-context tokens at once give what a further token of context adds to
+   a step.
 
 Each point is measured after a warm-up request of its shape (compilation is not counted).
 """
@@ -135,8 +136,9 @@ def _records(base_url: str, model: str, sessions, concurrency: int):
     return result.records
 
 
-def _steady_gaps(records) -> list[float]:
-    """The gaps between tokens while every request of a batch was running (ms)."""
+def _steady_gaps(records) -> tuple[list[float], bool]:
+    """The gaps between tokens while every request of a batch was running (ms), and whether
+    there was such a window (else: every gap after each request's first)."""
     times = []
     for r in records:
         t = r.start + r.ttft
@@ -154,8 +156,8 @@ def _steady_gaps(records) -> list[float]:
         if a >= start and b <= end
     ]
     if len(gaps) < 5:  # no window: every gap after each one's first
-        gaps = [g * 1000.0 for r in records for g in r.itl[1:]]
-    return gaps
+        return [g * 1000.0 for r in records for g in r.itl[1:]], False
+    return gaps, True
 
 
 def _least_squares_slope(points: list[tuple[float, float]]) -> float:
@@ -198,24 +200,29 @@ def measure(base_url: str, model: str, tokenizer_dir: Path, settings, progress) 
         progress(f"decode steps at batch {batch}")
         _records(base_url, model, sessions(SHORT_PROMPT, 8, batch), batch)  # warm-up
         recs = _records(base_url, model, sessions(SHORT_PROMPT, DECODE_TOKENS, batch), batch)
-        gaps = _steady_gaps(recs)
+        gaps, _ = _steady_gaps(recs)
         step = statistics.median(gaps)
         ratios += [g / step for g in gaps]
         # A larger batch is no cheaper a step: a dip is the measurement's noise.
         decode.append(max(step, decode[-1]) if decode else step)
     context = SHORT_PROMPT + DECODE_TOKENS // 2
     curve = Curve(tuple(map(float, batches)), tuple(decode))
-    long_batch = batches[len(batches) // 2]
+    # Two sequences of --long-context tokens, long enough outputs that the first still runs
+    # when the second has been prefilled.
+    long_batch = 2
     progress(f"decode steps at batch {long_batch}, {settings.long_context} tokens of context")
+    long_out = DECODE_TOKENS * 4
     recs = _records(
-        base_url, model, sessions(settings.long_context, DECODE_TOKENS, long_batch), long_batch
+        base_url, model, sessions(settings.long_context, long_out, long_batch), long_batch
     )
-    long_step = statistics.median(_steady_gaps(recs))
+    gaps, steady = _steady_gaps(recs)
+    long_step = statistics.median(gaps)
     # What context beyond the short prompts' adds to a step: batch 1 at each prompt length,
-    # and the long batch.
+    # and the long pair (where both ran together).
     points = [(max(length - context, 0), step - curve(1)) for length, step in attention]
-    extra = long_batch * (settings.long_context + DECODE_TOKENS // 2 - context)
-    points.append((extra, long_step - curve(long_batch)))
+    if steady:
+        extra = long_batch * (settings.long_context + long_out // 2 - context)
+        points.append((extra, long_step - curve(long_batch)))
     return {
         "prefill": Curve(tuple(map(float, lens)), tuple(ttft)),
         "handover": Curve(tuple(map(float, lens)), tuple(handover)),

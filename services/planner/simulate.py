@@ -9,7 +9,9 @@ The model follows the engine and the gateway:
 - a decode worker steps while it has work: each step every running sequence (up to
   ``max_num_seqs``) gets a token, and prompts it prefills itself take chunks of what is
   left of ``max_num_batched_tokens``; a step costs the profile's decode step for its batch
-  and context, plus the chunks' prefill compute;
+  and context (drawn around it by the profile's measured spread), and with chunks in it
+  their prefill compute plus what the decode rows add to it (the step less a batch of
+  one's, which the prefill pays already);
 - a request prefilled elsewhere joins a decode worker the hand-over time after its first
   token, at that worker's next step; the gateway picks the decode worker with the fewest
   requests.
@@ -86,6 +88,7 @@ class Prediction:
     itl_ms: list[float]
     duration_s: float
     completed: int
+    arrival_ms: list[float] = field(default_factory=list)
 
     def ttft(self, p: float) -> float:
         return percentile(self.ttft_ms, p)
@@ -131,13 +134,15 @@ class _Decoder:
 
 def simulate(profile: Profile, cluster: Cluster, traffic: Traffic, seed: int = 0) -> Prediction:
     """Run ``traffic`` through ``cluster`` on ``profile``'s costs."""
-    rng = random.Random(seed)
+    # Arrivals drawn as `pdserve bench serve --seed` draws them (the same seed: the same
+    # times); lengths and step spread from generators of their own.
+    arrivals, rng = random.Random(seed), random.Random(f"{seed}-lengths-steps")
     requests, now = [], 0.0
     for _ in range(traffic.num_prompts):
         prompt = traffic.lengths(rng, traffic.prompt_len)
         output = traffic.lengths(rng, traffic.output_len)
         requests.append(_Request(now, prompt, output, remaining=output, context=prompt))
-        now += rng.expovariate(traffic.request_rate) * 1000.0  # ms
+        now += arrivals.expovariate(traffic.request_rate) * 1000.0  # ms
     decoders = [_Decoder(i) for i in range(cluster.decode)]
     prefill_free = [0.0] * cluster.prefill
     itl: list[float] = []
@@ -175,7 +180,11 @@ def simulate(profile: Profile, cluster: Cluster, traffic: Traffic, seed: int = 0
         d.busy = True
         if rows:
             step = profile.step_ms(len(rows), sum(r.context for r in rows))
-            cost += step * profile.jitter_at(rng.random())
+            if chunks:
+                # One forward for both: the step's fixed part (a batch of one's step: the
+                # weights read, the framework) is in the chunks' prefill time already.
+                step -= profile.decode.y[0]
+            cost += max(step, 0.0) * profile.jitter_at(rng.random())
         push(t + cost, "step", (d, rows, chunks))
 
     while events:
@@ -238,4 +247,4 @@ def simulate(profile: Profile, cluster: Cluster, traffic: Traffic, seed: int = 0
             start_step(d, t)
     ttft = [r.first_token - r.arrival for r in requests if r.first_token is not None]
     end = max((r.last_token for r in requests), default=0.0)
-    return Prediction(ttft, itl, end / 1000.0, finished)
+    return Prediction(ttft, itl, end / 1000.0, finished, [r.arrival for r in requests])

@@ -139,6 +139,9 @@ class PlanSettings:
         choices=("auto", "on", "off"),
     )
     seed: int = setting(0, "seed of the simulated arrivals and lengths")
+    runs: int = setting(
+        5, "simulations of each cluster (seeds from --seed), pooled: a run's average p90"
+    )
     traffic: TrafficSettings = setting(default_factory=TrafficSettings)
     targets: TargetSettings = setting(default_factory=TargetSettings)
     bounds: PoolBounds = setting(default_factory=PoolBounds)
@@ -146,6 +149,7 @@ class PlanSettings:
 
     def __post_init__(self) -> None:
         check(bool(self.profile), "--profile is required: a file from `pdserve profile`")
+        check(self.runs >= 1, f"--runs must be 1 or more, got {self.runs}")
 
 
 @dataclass(frozen=True)

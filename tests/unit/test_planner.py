@@ -300,3 +300,15 @@ def test_prefill_between_the_points_follows_a_quadratic():
     assert p.prefill(512) > 1.1 * true(512)  # the straight line's error
     two = make_profile(prefill=Curve((64.0, 256.0), (60.0, 150.0)))
     assert two.prefill_ms(128) == pytest.approx(90.0)  # two points: a straight line
+
+
+def test_simulated_arrivals_are_the_benchmarks_of_the_same_seed():
+    """`pdserve plan --seed S` simulates the arrival times `pdserve bench serve --seed S`
+    sends, whatever the lengths: a prediction and a measurement of the very same trace."""
+    from pdserve.loadgen.client import arrival_times
+
+    traffic = Traffic(2.0, 64, 2, range_ratio=0.5, num_prompts=50)
+    sim = simulate(make_profile(), Cluster(1, 1), traffic, seed=3)
+    assert sim.arrival_ms == pytest.approx([t * 1000 for t in arrival_times(50, 2.0, 3)])
+    other = simulate(make_profile(), Cluster(1, 1), traffic, seed=4)
+    assert other.arrival_ms != sim.arrival_ms
