@@ -89,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             read_pair(
                 settings.ssl_certfile, settings.ssl_keyfile, ("--ssl-certfile", "--ssl-keyfile")
             )
+        if settings.autoscale:  # a profile that does not load stops nothing later
+            Profile.load(settings.planner.profile)
         # Resolved once here: workers racing to prepare the default model would collide.
         model = str(_model_dir(settings.engine.model))
     except (ValueError, FileNotFoundError) as e:

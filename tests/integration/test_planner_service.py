@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -205,3 +206,15 @@ def test_planner_patches_only_its_own_pools_deployments(launcher, redis_server, 
     finally:
         kube.shutdown()
         server.shutdown()
+
+
+def test_up_autoscale_refuses_a_missing_or_bad_profile_before_starting(tmp_path):
+    up = [sys.executable, "-m", "pdserve.cli", "up", "--autoscale", "--log-dir", str(tmp_path)]
+    missing = subprocess.run(up, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--autoscale needs --profile" in missing.stderr
+    (tmp_path / "bad.json").write_text('{"version": 1}')
+    bad = subprocess.run(
+        [*up, "--profile", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "not a pdserve profile" in bad.stderr, bad.stderr
+    assert "logs in" not in bad.stdout  # nothing started
