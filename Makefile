@@ -93,7 +93,7 @@ up: $(STAMP)
 	$(VENV)/bin/pdserve up $(ARGS)
 
 test: $(STAMP) $(POLICY_STAMP)
-	POLICY_TOOLS_BIN=$(POLICY_VENV)/bin $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
+	POLICY_TOOLS_BIN=$(POLICY_VENV)/bin $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -33,8 +33,10 @@ ENGINE = ("--dtype", "float32", "--enforce-eager", "--max-num-seqs", "1", "--num
 PROMPT, OUTPUT = 64, 24
 TTFT_MS, ITL_MS = 800.0, 60.0
 SCALE_UP_WITHIN_S = 15.0  # from the step up to the new worker's start (its load: ~5 s more)
-LOW_S, HIGH_S, LOW_AFTER_S = 8.0, 30.0, 24.0
-SETTLE_S = 12.0  # of each phase, not counted as steady
+LOW_S, HIGH_S, LOW_AFTER_S = 6.0, 26.0, 18.0
+# Of the high phase not counted as steady: the scale-up, the new worker's start, and the
+# queue of the seconds before it; of the low phase after: the scale-in.
+HIGH_SETTLE_S, LOW_SETTLE_S = 14.0, 8.0
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def profile_path(tiny_chat_llama_path, tmp_path_factory) -> Path:
             sys.executable, "-m", "pdserve.cli", "profile", "--model", str(tiny_chat_llama_path),
             *ENGINE, "--prompt-len", "16", "--prompt-len", "64", "--prompt-len", "128",
             "--batch-size", "1", "--batch-size", "2", "--long-context", "128",
-            "--repeats", "3", "--out", str(out),
+            "--repeats", "2", "--out", str(out),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
@@ -190,8 +192,8 @@ def test_autoscale_follows_a_load_ramp_without_failing_a_request(
     # serves, low after the scale-in.
     steady = [
         _steady(low_recs, low_began, 0.0, high_began),
-        _steady(high_recs, high_began, SETTLE_S, after_began),
-        _steady(after_recs, after_began, SETTLE_S, ended),
+        _steady(high_recs, high_began, HIGH_SETTLE_S, after_began),
+        _steady(after_recs, after_began, LOW_SETTLE_S, ended),
     ]
     for ttft, itl in steady:
         assert len(ttft) >= 3
