@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench import ROOT
+from bench.serving.up_cluster import pdserve_up
 from pdserve.local.launcher import free_port
 
 
@@ -53,23 +52,14 @@ def measure(args, plan: dict, rate: float, out: Path) -> dict:
     http = free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="planner-accuracy-"))
     prefill, decode = plan["prefill_replicas"], plan["decode_replicas"]
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", str(http)]
+    argv = ["--port", "0", "--http-port", str(http)]
     argv += ["--prefill", str(prefill), "--decode", str(decode), "--cpu-layout", "split"]
     argv += ["--num-threads", str(args.cores_per_worker), "--log-dir", str(log_dir)]
     if not plan["disaggregation"]:
         argv += ["--disaggregation", "off"]
     else:
         argv += ["--local-prefill-threshold", str(plan["local_prefill_threshold"])]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        for line in proc.stdout:
-            if "Ctrl-C stops everything" in line:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("pdserve up did not start")
-        else:
-            raise RuntimeError(f"pdserve up exited {proc.wait()}")
+    with pdserve_up(argv, f"{rate:g} req/s", timeout_s=600):
         base = ("--base-url", f"http://127.0.0.1:{http}", "--model", args.model)
         # A few requests first, so that the workers' first steps (compilation) are not measured.
         subprocess.run(
@@ -94,12 +84,6 @@ def measure(args, plan: dict, rate: float, out: Path) -> dict:
             stdout=subprocess.DEVNULL,
         )
         return json.loads(result.read_text())["metrics"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench import ROOT
+from bench.serving.up_cluster import pdserve_up
 from pdserve.local.launcher import free_port
 
 MODES = {
@@ -42,19 +41,10 @@ MODES = {
 def run_mode(name: str, flags: list[str], args, out: Path) -> dict[int, float]:
     http = free_port()
     log_dir = Path(tempfile.mkdtemp(prefix=f"ttft-{name}-"))
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", str(http)]
+    argv = ["--port", "0", "--http-port", str(http)]
     argv += ["--cpu-layout", "shared", "--max-model-len", str(max(args.lengths) + 64)]
     argv += ["--log-dir", str(log_dir), *flags, *args.up_args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 900
-        for line in proc.stdout:
-            if "Ctrl-C stops everything" in line:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: pdserve up did not start")
-        else:
-            raise RuntimeError(f"{name}: pdserve up exited {proc.wait()}")
+    with pdserve_up(argv, name):
         ttft = {}
         for length in args.lengths:
             result = out / f"ttft-{name}-{length}.json"
@@ -76,12 +66,6 @@ def run_mode(name: str, flags: list[str], args, out: Path) -> dict[int, float]:
             ttft[length] = values[len(values) // 2]
             print(f"{name} {length}: TTFT p50 {ttft[length]:.0f} ms", flush=True)
         return ttft
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

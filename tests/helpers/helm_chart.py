@@ -136,6 +136,21 @@ def template(
     )
 
 
+def local_model_values(model: str) -> dict[str, object]:
+    """What a chart run as local processes sets beside the defaults: the model on a hostPath
+    (the tiny random Llama), its engine settings, and one gateway (the local Service
+    reaches one anyway)."""
+    return {
+        "model.source": "hostPath",
+        "model.hostPath.path": model,
+        "model.mountPath": model,
+        "engine.dtype": "float32",
+        "engine.enforceEager": True,
+        "engine.kvCacheMemory": "64MiB",
+        "gateway.replicas": 1,
+    }
+
+
 def render(
     values_files: Iterable[Path] = (), set_values: Mapping[str, object] | None = None
 ) -> list[dict]:

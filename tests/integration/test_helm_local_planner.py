@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.testing.metrics import scrape, value
 from tests.helpers.chart_pods import LocalCluster, scrape_every_pod
-from tests.helpers.helm_chart import render
+from tests.helpers.helm_chart import local_model_values, render
 from tests.helpers.planner_profile import tiny_profile
 
 START_S = 120.0
@@ -33,13 +33,8 @@ def cluster(tmp_path, tiny_chat_llama_path):
     model = str(tiny_chat_llama_path)
     manifests = render(
         set_values={
-            "model.source": "hostPath",
-            "model.hostPath.path": model,
-            "model.mountPath": model,
-            "engine.dtype": "float32",
-            "engine.enforceEager": True,
-            "engine.kvCacheMemory": "64MiB",
-            "gateway.replicas": 1,  # the headless Service names one gateway pod here
+            # One gateway: the headless Service names one gateway pod here.
+            **local_model_values(model),
             "autoscaling.mode": "planner",
             "planner.profile": json.dumps(tiny_profile().to_json()),
             "planner.dryRun": True,

@@ -21,7 +21,7 @@ import redis
 from pdserve.controlplane.signing import Verifier
 from pdserve.testing.metrics import metric
 from tests.helpers.chart_pods import LocalCluster, scrape_every_pod
-from tests.helpers.helm_chart import render
+from tests.helpers.helm_chart import local_model_values, render
 
 START_S = 120.0
 WAIT_S = 30.0
@@ -33,17 +33,7 @@ LONG = "the quick brown fox jumps over the lazy dog. " * 12
 @pytest.fixture
 def cluster(tmp_path, tiny_chat_llama_path):
     model = str(tiny_chat_llama_path)
-    manifests = render(
-        set_values={
-            "model.source": "hostPath",
-            "model.hostPath.path": model,
-            "model.mountPath": model,
-            "engine.dtype": "float32",
-            "engine.enforceEager": True,
-            "engine.kvCacheMemory": "64MiB",
-            "gateway.replicas": 1,  # the test reaches one through the Service anyway
-        }
-    )
+    manifests = render(set_values=local_model_values(model))
     c = LocalCluster(manifests, tmp_path)
     try:
         # The decode pool last: until a decode worker registers, the gateway is alive but
