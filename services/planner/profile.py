@@ -311,17 +311,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {text} ({time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
 
     progress(f"starting a prefill and a decode worker on cores {cores[:need]} (logs: {log_dir})")
+    import httpx
+
     try:
         cluster = _Cluster(argv_up, cores[:need], log_dir, settings.startup_timeout + 60)
         try:
-            import httpx
-
             model = httpx.get(f"{cluster.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
             numbers = measure(cluster.base_url, model, model_dir, settings, progress)
             dtype = _dtype(cluster, settings.engine.dtype)
         finally:
             cluster.stop()
-    except (ProfileError, OSError) as e:
+    except (ProfileError, OSError, httpx.HTTPError) as e:
         print(f"pdserve profile: error: {e}", file=sys.stderr)
         return 1
     points = numbers.pop("points")
