@@ -1,16 +1,14 @@
 """What the planner scales pools through: a pool is "prefill" or "decode", its size a
 number of workers. `pdserve up --autoscale` starts and stops local worker processes
-(``pdserve.up``'s ``LocalPools``); in Kubernetes the planner patches the scale of the pools'
-Deployments (``pdserve.planner.kubernetes``); ``LogActuator`` only says what it would do."""
+(``pdserve.local.pools.LocalPools``); in Kubernetes the planner patches the scale of the
+pools' Deployments (``pdserve.planner.kubernetes``); a dry run scales nothing (the registry
+then says each pool's size: ``pdserve.planner.online.RegistryCounts``)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 POOLS = ("prefill", "decode")
-
-logger = logging.getLogger(__name__)
 
 
 class ActuatorError(RuntimeError):
@@ -27,17 +25,3 @@ class Actuator(Protocol):
     def scale(self, pool: str, replicas: int) -> None:
         """Set ``pool`` to ``replicas``; a smaller number drains the workers it removes."""
         ...
-
-
-class LogActuator:
-    """Scales nothing: remembers and logs what it was asked (``--dry-run``)."""
-
-    def __init__(self, replicas: dict[str, int]) -> None:
-        self._replicas = dict(replicas)
-
-    def replicas(self, pool: str) -> int:
-        return self._replicas[pool]
-
-    def scale(self, pool: str, replicas: int) -> None:
-        logger.info("dry run: would scale %s to %d", pool, replicas)
-        self._replicas[pool] = replicas
