@@ -41,7 +41,7 @@ from pdserve.runtime.trust_files import read_pair, read_trust_files
 from pdserve.settings.commands import UpSettings, known_env
 from pdserve.settings.engine import EngineArgs
 from pdserve.settings.flags import env_names, parse_settings, secret_env, to_argv, warn_unknown_env
-from pdserve.settings.planner import PoolBounds
+from pdserve.settings.planner import PlannerPolicy, PoolBounds
 from pdserve.settings.process import (
     InternalSecuritySettings,
     RedisSettings,
@@ -89,14 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             read_pair(
                 settings.ssl_certfile, settings.ssl_keyfile, ("--ssl-certfile", "--ssl-keyfile")
             )
-        if settings.autoscale:  # a profile that does not load stops nothing later
-            Profile.load(settings.planner.profile)
+        # Read before anything starts: a profile that does not load stops nothing later.
+        profile = Profile.load(settings.planner.profile) if settings.autoscale else None
         # Resolved once here: workers racing to prepare the default model would collide.
         model = str(_model_dir(settings.engine.model))
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 2
-    return run(dataclasses.replace(settings, security=security), model)
+    return run(dataclasses.replace(settings, security=security), model, profile)
 
 
 def cluster_security(given: InternalSecuritySettings) -> InternalSecuritySettings:
@@ -115,8 +115,9 @@ def _model_dir(model: str | None) -> Path:
     return locate_model(model)
 
 
-def run(settings: UpSettings, model: str) -> int:
-    """Start the cluster serving ``model``, wait for a signal, stop it; the exit code."""
+def run(settings: UpSettings, model: str, profile: Profile | None = None) -> int:
+    """Start the cluster serving ``model`` (with --autoscale, sized by the planner on
+    ``profile``), wait for a signal, stop it; the exit code."""
     stop_signal: list[int] = []
 
     def on_signal(signum, _frame) -> None:
@@ -141,7 +142,9 @@ def run(settings: UpSettings, model: str) -> int:
             redis_url = redis.url
         print(f"  ✓ redis at {redact_url(redis_url)}", flush=True)
         redis_settings = RedisSettings(redis_url, settings.redis.redis_prefix)
-        pools = _pools(settings, model, launcher, redis_settings) if settings.autoscale else None
+        pools = policy = None
+        if profile is not None:
+            pools, policy = _pools(settings, profile, model, launcher, redis_settings)
         gateway = _start(settings, model, launcher, redis_settings, stop_signal, pools)
         model_name = _served_model_name(gateway.addresses.get("gateway-http"))
         http = gateway.addresses.get("gateway-http")
@@ -163,7 +166,9 @@ def run(settings: UpSettings, model: str) -> int:
         )
         if pools is not None:
             pools.supervisor = supervisor
-            planner = _start_planner(settings, redis_settings, gateway, pools, model_name)
+            planner = _start_planner(
+                settings, policy, profile, redis_settings, gateway, pools, model_name
+            )
         return _serve(supervisor, stop_signal, pools)
     except Interrupted:
         print("pdserve up: interrupted while starting; stopping", file=sys.stderr)
@@ -278,10 +283,10 @@ def _worker_starter(
 
 
 def _pools(
-    settings: UpSettings, model: str, launcher: Launcher, redis: RedisSettings
-) -> LocalPools:
-    """The pools --autoscale resizes: each worker on the profile's cores per worker."""
-    profile = Profile.load(settings.planner.profile)
+    settings: UpSettings, profile: Profile, model: str, launcher: Launcher, redis: RedisSettings
+) -> tuple[LocalPools, PlannerPolicy]:
+    """The pools --autoscale resizes, each worker on the profile's cores per worker, and the
+    planner's policy with their bounds on this machine."""
     cpus = sorted(os.sched_getaffinity(0))
     per_worker = settings.engine.num_threads or int(profile.hardware.get("cores_per_worker", 1))
     registry = RegistrySettings(redis=redis)
@@ -290,7 +295,8 @@ def _pools(
     most = min(bounds.max_prefill + bounds.max_decode, bounds.max_workers)
     shared = most * per_worker > len(cpus)
     start_worker = _worker_starter(settings, model, launcher, registry, shared)
-    return LocalPools(launcher, start_worker, cpus, per_worker, _STOP_TIMEOUT_S + 45.0)
+    pools = LocalPools(launcher, start_worker, cpus, per_worker, _STOP_TIMEOUT_S + 45.0)
+    return pools, dataclasses.replace(settings.planner, bounds=bounds)
 
 
 def _local_bounds(settings: UpSettings, cores: int, per_worker: int) -> PoolBounds:
@@ -317,6 +323,8 @@ class _PlannerThread:
 
 def _start_planner(
     settings: UpSettings,
+    policy: PlannerPolicy,
+    profile: Profile,
     redis: RedisSettings,
     gateway: Child,
     pools: LocalPools,
@@ -329,11 +337,6 @@ def _start_planner(
     from pdserve.controlplane.view import RegistryView
     from pdserve.planner import online
 
-    profile = Profile.load(settings.planner.profile)
-    per_worker = pools.cores_per_worker
-    policy = dataclasses.replace(
-        settings.planner, bounds=_local_bounds(settings, len(pools.cpus), per_worker)
-    )
     planner = online.Planner(
         profile, policy, settings.disaggregation, settings.local_prefill_threshold
     )
@@ -362,7 +365,7 @@ def _start_planner(
         f"  ✓ planner: every {policy.interval:g} s, targets p90 TTFT "
         f"{policy.targets.ttft_p90_ms:g} ms and ITL {policy.targets.itl_p90_ms:g} ms; "
         f"prefill {b.min_prefill}-{b.max_prefill}, decode {b.min_decode}-{b.max_decode}, "
-        f"at most {b.max_workers} workers of {per_worker} core(s)",
+        f"at most {b.max_workers} workers of {pools.cores_per_worker} core(s)",
         flush=True,
     )
     return _PlannerThread(run)

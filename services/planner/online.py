@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -28,14 +29,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter, Gauge
 
 from pdserve.planner.actuators import POOLS, Actuator, ActuatorError
 from pdserve.planner.model import Profile
 from pdserve.planner.plan import plan
 from pdserve.planner.simulate import Cluster, Traffic, simulate
-from pdserve.runtime.metrics import name
-from pdserve.settings.planner import PlannerPolicy, PlannerSettings
+from pdserve.runtime.metrics import name, new_registry
+from pdserve.settings.planner import PlannerPolicy, PlannerSettings, PoolBounds
 
 logger = logging.getLogger("pdserve.planner")
 
@@ -239,7 +240,7 @@ class PlannerMetrics:
     """The planner's series, for Prometheus and the dashboard."""
 
     def __init__(self, model: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry()
         labels = ("model_name", "role")
         self._values = (model, "planner")
 
@@ -304,9 +305,7 @@ class Planner:
         self._smaller_since: dict[str, float] = {}
         self.last_prediction = (0.0, 0.0)
 
-    def _bounds(self):
-        import dataclasses
-
+    def _bounds(self) -> PoolBounds:
         b = self.policy.bounds
         if self.layout == "on":
             return dataclasses.replace(b, min_prefill=max(b.min_prefill, 1))

@@ -124,12 +124,11 @@ class _Decoder:
     prefilling: deque = field(default_factory=deque)  # prompts it prefills itself
     joining: deque = field(default_factory=deque)  # prefilled elsewhere, KV arrived
     busy: bool = False
+    pending: int = 0  # routed here, hand-over under way
 
     @property
     def load(self) -> int:
         return len(self.running) + len(self.prefilling) + len(self.joining) + self.pending
-
-    pending: int = 0  # routed here, hand-over under way
 
 
 def simulate(profile: Profile, cluster: Cluster, traffic: Traffic, seed: int = 0) -> Prediction:
